@@ -1,0 +1,58 @@
+# Temper: the README's commands. `make run` starts everything; `make test` checks everything.
+SHELL := /bin/bash
+# The real interpreter, not a pyenv shim (a shim's PID is not the server's).
+PYTHON ?= $(shell command -v python3.11 >/dev/null && python3.11 -c 'import sys; print(sys.executable)' || python3 -c 'import sys; print(sys.executable)')
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip install --disable-pip-version-check -q
+
+.PHONY: run test lint typecheck pytest system-deps bench clean help
+
+help:
+	@echo "make run    start Temper (web, workers, embedded Redis) at http://127.0.0.1:8000"
+	@echo "make test   ruff, mypy and the whole test suite (slow and browser tests included)"
+	@echo "make bench  the benchmarks in bench/"
+
+$(VENV)/.run-installed: requirements.txt
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@echo "installing requirements.txt into $(VENV) (first time: a few minutes)…"
+	$(PIP) -r requirements.txt
+	@touch $@
+
+$(VENV)/.dev-installed: requirements.txt requirements-dev.txt
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@echo "installing requirements-dev.txt into $(VENV) (first time: a few minutes)…"
+	$(PIP) -r requirements-dev.txt
+	@touch $@ $(VENV)/.run-installed
+
+run: $(VENV)/.run-installed
+	$(PY) manage.py migrate --noinput -v 0
+	exec $(PY) manage.py up
+
+# System packages the tests need, installed when missing (CI runs as root).
+system-deps:
+	@missing=""; \
+	command -v chromium >/dev/null || missing="$$missing chromium"; \
+	command -v bwrap >/dev/null || missing="$$missing bubblewrap"; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ]; then echo "apt-get install$$missing"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
+	  else echo "missing system packages:$$missing (install them as root; their tests will be skipped)"; fi; \
+	fi
+
+lint: $(VENV)/.dev-installed
+	$(PY) -m ruff check .
+
+typecheck: $(VENV)/.dev-installed
+	$(PY) -m mypy webapp workers sandboxes
+
+pytest: $(VENV)/.dev-installed system-deps
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test: lint typecheck pytest
+
+bench: $(VENV)/.dev-installed
+	@for b in bench/*.py; do [ "$$b" = bench/__init__.py ] || $(PY) $$b; done
+
+clean:
+	rm -rf var/ .mypy_cache .ruff_cache .pytest_cache

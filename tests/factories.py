@@ -1,0 +1,30 @@
+"""Small builders for test rows (through the services where a service exists)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from webapp.catalog.models import BaseModel, CalibrationStatus, TaskDomain, Verifier
+from webapp.runs.models import Run
+from webapp.runs.services import DomainWeight, do_create_run
+
+
+def base_model(owner: Any, name: str = "tiny") -> BaseModel:
+    return BaseModel.objects.create(owner=owner, name=name, path="/models/tiny")
+
+
+def verifier(owner: Any, name: str = "exact", calibrated: bool = True) -> Verifier:
+    return Verifier.objects.create(
+        owner=owner, name=name, kind="exact_match", config={},
+        calibration_status=CalibrationStatus.PASSED if calibrated else CalibrationStatus.NONE,
+    )
+
+
+def domain(owner: Any, name: str = "addition", kind: str = "answer", verifier_row: Verifier | None = None) -> TaskDomain:
+    return TaskDomain.objects.create(owner=owner, name=name, kind=kind, verifier=verifier_row)
+
+
+def run(owner: Any, calibrated: bool = True, name: str = "r1") -> Run:
+    v = verifier(owner, name=f"v-{name}", calibrated=calibrated)
+    d = domain(owner, name=f"d-{name}", verifier_row=v)
+    return do_create_run(owner, name=name, base_model=base_model(owner, name=f"bm-{name}"), domains=[DomainWeight(d)])

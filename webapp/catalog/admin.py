@@ -1,0 +1,82 @@
+from __future__ import annotations
+
+from django.contrib import admin
+
+from webapp.catalog.models import BaseModel, CalibrationCase, CalibrationReport, Task, TaskDomain, Verifier
+
+
+@admin.register(BaseModel)
+class BaseModelAdmin(admin.ModelAdmin):
+    list_display = ["name", "path", "parameters", "owner", "created_at"]
+    search_fields = ["name", "path", "description"]
+    list_filter = ["owner"]
+
+
+class CalibrationCaseInline(admin.TabularInline):
+    model = CalibrationCase
+    extra = 0
+    fields = ["label", "expected", "completion", "reference", "note"]
+
+
+class CalibrationReportInline(admin.TabularInline):
+    model = CalibrationReport
+    extra = 0
+    fields = ("status", "passed", "created_at", "finished_at", "error")
+    readonly_fields = ("status", "passed", "created_at", "finished_at", "error")
+    can_delete = False
+    show_change_link = True
+
+    def has_add_permission(self, request, obj=None):  # type: ignore[no-untyped-def]
+        return False
+
+
+@admin.register(Verifier)
+class VerifierAdmin(admin.ModelAdmin):
+    list_display = ["name", "kind", "calibration_status", "owner", "updated_at"]
+    list_filter = ["kind", "calibration_status"]
+    search_fields = ["name", "description"]
+    inlines = [CalibrationCaseInline, CalibrationReportInline]
+    actions = ["calibrate"]
+
+    @admin.action(description="Calibrate the selected verifiers (verify queue)")
+    def calibrate(self, request, queryset):  # type: ignore[no-untyped-def]
+        from webapp.catalog.services import do_request_calibration
+        from webapp.common.errors import TemperError
+
+        for verifier in queryset:
+            try:
+                do_request_calibration(verifier, request.user)
+                self.message_user(request, f"{verifier.name}: calibration queued")
+            except TemperError as exc:
+                self.message_user(request, f"{verifier.name}: {exc.message}", level="error")
+
+
+@admin.register(CalibrationReport)
+class CalibrationReportAdmin(admin.ModelAdmin):
+    list_display = ["id", "verifier", "status", "passed", "created_at", "finished_at"]
+    list_filter = ["status", "passed"]
+    list_select_related = ["verifier"]
+    readonly_fields = ["verifier", "status", "passed", "summary", "error", "finished_at"]
+
+
+@admin.register(TaskDomain)
+class TaskDomainAdmin(admin.ModelAdmin):
+    list_display = ["name", "kind", "verifier", "task_count", "heldout_count", "owner", "updated_at"]
+    list_filter = ["kind"]
+    list_select_related = ["verifier", "owner"]
+    search_fields = ["name", "description"]
+    readonly_fields = ["task_count", "heldout_count"]
+
+
+@admin.register(Task)
+class TaskAdmin(admin.ModelAdmin):
+    list_display = ["id", "domain", "external_id", "split", "short_prompt", "created_at"]
+    list_filter = ["split"]
+    list_select_related = ["domain"]
+    search_fields = ["external_id"]
+    raw_id_fields = ["domain"]
+    show_full_result_count = False
+
+    @admin.display(description="prompt")
+    def short_prompt(self, obj: Task) -> str:
+        return obj.prompt[:80]

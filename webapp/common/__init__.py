@@ -1,0 +1,1 @@
+"""Pieces shared by every Temper app: the abstract base model, ownership, errors."""

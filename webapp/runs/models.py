@@ -1,0 +1,251 @@
+"""Runs and everything they produce: events, policy versions with aliases, trajectories, metrics.
+
+Trajectories and metric points reach millions of rows per run: every index here serves a query the
+UI or API makes, always scoped by run, and no list ever needs a full ``COUNT(*)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.conf import settings
+from django.db import models
+
+from webapp.catalog.models import BaseModel, Task, TaskDomain
+from webapp.common.models import OwnedModel, TimestampedModel
+
+
+class RunStatus(models.TextChoices):
+    DRAFT = "draft"
+    QUEUED = "queued"
+    RUNNING = "running"
+    PAUSING = "pausing"
+    PAUSED = "paused"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+TERMINAL_STATUSES = frozenset({RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED})
+ACTIVE_STATUSES = frozenset({RunStatus.QUEUED, RunStatus.RUNNING, RunStatus.PAUSING})
+
+
+class Engine(models.TextChoices):
+    TORCH = "torch"
+    VLLM = "vllm"
+
+
+class Run(OwnedModel):
+    """A base model, weighted domains, an algorithm and pipeline settings, and a lifecycle."""
+
+    name = models.CharField(max_length=200)
+    description = models.TextField(blank=True)
+    base_model = models.ForeignKey(BaseModel, on_delete=models.PROTECT, related_name="runs")
+    domains: models.ManyToManyField[TaskDomain, RunDomain] = models.ManyToManyField(
+        TaskDomain, through="RunDomain", related_name="runs"
+    )
+    engine = models.CharField(max_length=16, choices=Engine.choices, default=Engine.TORCH)
+    spec = models.JSONField(default=dict, help_text="The validated RunSpec (see webapp/runs/spec.py)")
+    status = models.CharField(max_length=16, choices=RunStatus.choices, default=RunStatus.DRAFT, db_index=True)
+    status_reason = models.TextField(blank=True)
+    forced_start = models.BooleanField(
+        default=False, help_text="Started although a domain's verifier had no passing calibration"
+    )
+    step = models.PositiveIntegerField(default=0)
+    latest_version = models.PositiveIntegerField(default=0)
+    # The loop's saved position (data cursor, partial groups, pending work): what resume continues from.
+    state = models.JSONField(default=dict, blank=True)
+    # Last sequence number handed to a metric point of this run (allocated under a row lock).
+    metric_seq = models.BigIntegerField(default=0)
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-id"]
+        indexes = [models.Index(fields=["owner", "status", "-id"], name="run_owner_status_id")]
+
+    def __str__(self) -> str:
+        return f"#{self.pk} {self.name}"
+
+    @property
+    def is_terminal(self) -> bool:
+        return self.status in TERMINAL_STATUSES
+
+
+class RunDomain(models.Model):
+    """A domain in a run, with its sampling weight and priority."""
+
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="run_domains")
+    domain = models.ForeignKey(TaskDomain, on_delete=models.PROTECT, related_name="run_domains")
+    weight = models.FloatField(default=1.0)
+    priority = models.IntegerField(default=0)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["run", "domain"], name="rundomain_unique")]
+        ordering = ["id"]
+
+
+class RunEvent(models.Model):
+    """One line of a run's event log: every transition, alert and notable fact, append-only."""
+
+    class Level(models.TextChoices):
+        INFO = "info"
+        WARNING = "warning"
+        ERROR = "error"
+
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="events")
+    created_at = models.DateTimeField(auto_now_add=True)
+    kind = models.CharField(max_length=64)
+    level = models.CharField(max_length=8, choices=Level.choices, default=Level.INFO)
+    message = models.TextField()
+    data = models.JSONField(default=dict, blank=True)
+    actor = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+
+    class Meta:
+        ordering = ["id"]
+        indexes = [models.Index(fields=["run", "id"], name="runevent_run_id")]
+
+
+class PolicyVersion(TimestampedModel):
+    """Version ``number`` of a run's policy: an adapter or weights in the artifact store."""
+
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="versions")
+    number = models.PositiveIntegerField()
+    parent = models.ForeignKey("self", null=True, blank=True, on_delete=models.SET_NULL, related_name="children")
+    step = models.PositiveIntegerField(default=0)
+    path = models.CharField(max_length=1000, blank=True, help_text="Directory under ARTIFACTS_ROOT")
+    metadata = models.JSONField(default=dict, blank=True)
+    metrics = models.JSONField(default=dict, blank=True)
+
+    class Meta:
+        ordering = ["run", "number"]
+        constraints = [models.UniqueConstraint(fields=["run", "number"], name="policyversion_run_number_unique")]
+
+    def __str__(self) -> str:
+        return f"run {self.run_id} v{self.number}"
+
+
+class Alias(models.TextChoices):
+    LATEST = "latest"
+    CANDIDATE = "candidate"
+    CANARY = "canary"
+    PRODUCTION = "production"
+    PREVIOUS = "previous"
+
+
+class AliasEvent(models.Model):
+    """Append-only history of alias moves per base model; an alias's current target is its newest row."""
+
+    base_model = models.ForeignKey(BaseModel, on_delete=models.CASCADE, related_name="alias_events")
+    alias = models.CharField(max_length=16, choices=Alias.choices)
+    version = models.ForeignKey(
+        PolicyVersion, null=True, blank=True, on_delete=models.PROTECT, related_name="alias_events"
+    )
+    previous_version = models.ForeignKey(
+        PolicyVersion, null=True, blank=True, on_delete=models.PROTECT, related_name="+"
+    )
+    action = models.CharField(max_length=16)  # promote | rollback
+    reason = models.TextField(blank=True)
+    actor = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["id"]
+        indexes = [models.Index(fields=["base_model", "alias", "-id"], name="aliasevent_current")]
+
+
+class Verdict(models.TextChoices):
+    PENDING = "pending"
+    PASS = "pass"
+    FAIL = "fail"
+    INVALID = "invalid"
+
+
+class Trajectory(models.Model):
+    """One sample: prompt, completion, behaviour log-probs, version stamp, verdict and training facts."""
+
+    # db_index=False: every composite index below starts with run, so a lone run index is dead weight.
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="trajectories", db_index=False)
+    task = models.ForeignKey(Task, null=True, on_delete=models.SET_NULL, related_name="trajectories")
+    domain = models.ForeignKey(TaskDomain, null=True, on_delete=models.SET_NULL, related_name="trajectories")
+    group_key = models.CharField(max_length=64, help_text="The prompt instance this sample belongs to")
+    sample_index = models.PositiveSmallIntegerField(default=0)
+    version = models.PositiveIntegerField(default=0, help_text="Policy version that generated it")
+    prompt = models.TextField()
+    completion = models.TextField()
+    prompt_token_ids: models.JSONField[Any, Any] = models.JSONField(default=list, blank=True)
+    completion_token_ids: models.JSONField[Any, Any] = models.JSONField(default=list, blank=True)
+    behaviour_logprobs: models.JSONField[Any, Any] = models.JSONField(default=list, blank=True)
+    finish_reason = models.CharField(max_length=16, blank=True)
+    verdict = models.CharField(max_length=8, choices=Verdict.choices, default=Verdict.PENDING)
+    reward = models.FloatField(null=True, blank=True)
+    verdict_reason = models.TextField(blank=True)
+    verifier_details = models.JSONField(default=dict, blank=True)
+    sandbox = models.JSONField(default=dict, blank=True, help_text="Sandbox logs, tier and artifacts")
+    verify_latency_ms = models.FloatField(null=True, blank=True)
+    advantage = models.FloatField(null=True, blank=True)
+    clipped = models.BooleanField(null=True, blank=True)
+    trained_step = models.PositiveIntegerField(null=True, blank=True)
+    is_eval = models.BooleanField(default=False)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["-id"]
+        constraints = [
+            models.UniqueConstraint(fields=["run", "group_key", "sample_index"], name="trajectory_sample_unique")
+        ]
+        indexes = [
+            models.Index(fields=["run", "-id"], name="traj_run_id"),
+            models.Index(fields=["run", "version", "-id"], name="traj_run_version_id"),
+            models.Index(fields=["run", "domain", "-id"], name="traj_run_domain_id"),
+            models.Index(fields=["run", "verdict", "-id"], name="traj_run_verdict_id"),
+            models.Index(fields=["run", "reward"], name="traj_run_reward"),
+        ]
+
+
+class MetricPoint(models.Model):
+    """One point of one time series of a run: (name, domain, step, value, time, sequence number)."""
+
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="metric_points", db_index=False)
+    name = models.CharField(max_length=128)
+    domain = models.ForeignKey(
+        TaskDomain, null=True, blank=True, on_delete=models.CASCADE, related_name="+", db_index=False
+    )
+    step = models.BigIntegerField()
+    value = models.FloatField()
+    time = models.DateTimeField()
+    seq = models.BigIntegerField()
+
+    class Meta:
+        ordering = ["run", "seq"]
+        constraints = [models.UniqueConstraint(fields=["run", "seq"], name="metricpoint_run_seq_unique")]
+        indexes = [models.Index(fields=["run", "name", "domain", "step"], name="metric_run_name_step")]
+
+
+class Evaluation(TimestampedModel):
+    """A suite of held-out tasks of one domain run on one policy version, with its results."""
+
+    class Status(models.TextChoices):
+        PENDING = "pending"
+        RUNNING = "running"
+        DONE = "done"
+        ERROR = "error"
+
+    version = models.ForeignKey(PolicyVersion, on_delete=models.CASCADE, related_name="evaluations")
+    domain = models.ForeignKey(TaskDomain, on_delete=models.CASCADE, related_name="evaluations")
+    suite = models.CharField(max_length=64, default="heldout")
+    status = models.CharField(max_length=8, choices=Status.choices, default=Status.PENDING)
+    n_tasks = models.PositiveIntegerField(default=0)
+    n_samples = models.PositiveIntegerField(default=1)
+    score = models.FloatField(null=True, blank=True)
+    pass_rate = models.FloatField(null=True, blank=True)
+    invalid_count = models.PositiveIntegerField(default=0)
+    results = models.JSONField(default=dict, blank=True)
+
+    class Meta:
+        ordering = ["-id"]
+        indexes = [models.Index(fields=["version", "domain", "suite"], name="evaluation_version_domain")]

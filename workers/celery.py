@@ -1,0 +1,45 @@
+"""The Celery app: four queues, routing by task module, and at-least-once delivery settings.
+
+Queues: ``control`` (run lifecycle, scheduling), ``rollout`` and ``train`` (the GPU worker keeps the engine
+resident), ``verify`` (sandbox workers). Tasks are ``acks_late`` with prefetch 1 and
+``reject_on_worker_lost``, so a killed worker's task is delivered again; every task is idempotent.
+"""
+
+from __future__ import annotations
+
+import os
+
+from celery import Celery
+from kombu import Exchange, Queue
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "webapp.settings")
+
+QUEUES = ("control", "rollout", "train", "verify")
+
+app = Celery("temper")
+app.config_from_object("django.conf:settings", namespace="CELERY")
+app.conf.update(
+    task_queues=[Queue(name, Exchange(name, type="direct"), routing_key=name) for name in QUEUES],
+    task_default_queue="control",
+    task_default_exchange="control",
+    task_default_routing_key="control",
+    task_routes={
+        "workers.tasks.control.*": {"queue": "control"},
+        "workers.tasks.rollout.*": {"queue": "rollout"},
+        "workers.tasks.train.*": {"queue": "train"},
+        "workers.tasks.verify.*": {"queue": "verify"},
+    },
+    task_acks_late=True,
+    task_reject_on_worker_lost=True,
+    worker_prefetch_multiplier=1,
+    task_serializer="json",
+    result_serializer="json",
+    accept_content=["json"],
+    result_expires=3600,
+    task_track_started=True,
+    broker_connection_retry_on_startup=True,
+    # An unacknowledged task is redelivered after this long; tasks are one short step each.
+    broker_transport_options={"visibility_timeout": 3600},
+    worker_hijack_root_logger=False,
+    imports=["workers.tasks.health", "workers.tasks.control", "workers.tasks.verify"],
+)

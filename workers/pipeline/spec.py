@@ -1,0 +1,87 @@
+"""The run specification: one frozen pydantic model, validated once when a run is created.
+
+Every field documents itself; the API, the admin and the new-run page show these descriptions.
+Pure: imports neither Django nor torch, so the scheduler and the web process share it.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class SamplingSpec(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    temperature: float = Field(1.0, ge=0.0, le=5.0, description="Sampling temperature (0 = greedy)")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass")
+    max_tokens: int = Field(16, ge=1, le=32768, description="Most tokens generated per completion")
+    stop: tuple[str, ...] = Field((), description="Strings that end a completion")
+
+
+class AlgorithmSpec(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    advantage: Literal["grpo", "dr_grpo", "rloo"] = Field(
+        "grpo", description="Group-relative advantage: GRPO (mean/std), Dr.GRPO (mean only), RLOO (leave-one-out)"
+    )
+    learning_rate: float = Field(3e-4, gt=0.0, le=1.0, description="AdamW learning rate")
+    lora_rank: int = Field(16, ge=0, le=1024, description="LoRA rank; 0 means full fine-tuning")
+    lora_alpha: int = Field(32, ge=1, description="LoRA scaling numerator")
+    clip_low: float = Field(0.2, ge=0.0, le=1.0, description="PPO clip below 1 (ratio >= 1 - clip_low)")
+    clip_high: float = Field(0.28, ge=0.0, le=10.0, description="PPO clip above 1 (clip-higher when > clip_low)")
+    kl_coef: float = Field(0.0, ge=0.0, description="k3 KL penalty to the base model (0 disables)")
+    max_grad_norm: float = Field(1.0, gt=0.0, description="Gradient clipping norm")
+    updates_per_batch: int = Field(2, ge=1, le=16, description="Optimizer minibatch updates per train batch")
+    micro_batch_size: int = Field(32, ge=1, description="Sequences per forward/backward pass (memory bound)")
+
+
+class PipelineSpec(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    mode: Literal["async", "sync"] = Field(
+        "async", description="async: generate, verify and train overlap; sync: one stage at a time"
+    )
+    group_size: int = Field(8, ge=2, le=256, description="Completions sampled per prompt (G)")
+    batch_prompts: int = Field(16, ge=1, le=4096, description="Complete prompt groups per train step (B)")
+    max_staleness: int = Field(
+        1, ge=0, le=64, description="How many versions behind the newest a trained sample may be (0 = on-policy)"
+    )
+    rollout_batch_prompts: int = Field(16, ge=1, le=4096, description="Prompts per generation task")
+
+
+class RunSpec(BaseModel):
+    """Everything that decides what a run does; stored on the run as JSON."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec)  # type: ignore[arg-type]
+    pipeline: PipelineSpec = Field(default_factory=PipelineSpec)  # type: ignore[arg-type]
+    sampling: SamplingSpec = Field(default_factory=SamplingSpec)  # type: ignore[arg-type]
+    max_steps: int = Field(200, ge=1, le=10_000_000, description="Train steps before the run completes")
+    target_reward: float | None = Field(
+        None, ge=0.0, le=1.0, description="Complete early once held-out reward reaches this"
+    )
+    eval_every: int = Field(10, ge=0, description="Evaluate held-out tasks every N versions (0 = never)")
+    eval_tasks: int = Field(64, ge=1, le=100_000, description="Held-out tasks per domain per evaluation")
+    seed: int = Field(0, ge=0, description="Seed for sampling and data order")
+    collapse_window: int = Field(
+        20, ge=1, description="Steps of identical rewards in every group after which training has collapsed"
+    )
+    auto_pause_on_collapse: bool = Field(False, description="Pause the run when a collapse is detected")
+
+    @model_validator(mode="after")
+    def _check(self) -> RunSpec:
+        if self.algorithm.clip_high < self.algorithm.clip_low:
+            raise ValueError("algorithm.clip_high must be ≥ algorithm.clip_low (clip-higher is asymmetric upward)")
+        return self
+
+
+def validation_messages(error: ValidationError) -> dict[str, list[str]]:
+    """Pydantic errors as ``{"dotted.field": ["reason", ...]}`` for people and for the API."""
+    out: dict[str, list[str]] = {}
+    for item in error.errors():
+        field = ".".join(str(part) for part in item["loc"]) or "spec"
+        out.setdefault(field, []).append(item["msg"])
+    return out
