@@ -147,3 +147,51 @@ def start_worker(redis_url: str, tmp_path: Path) -> Iterator[Callable[[str], Wor
     yield start
     for worker in workers:
         worker.stop()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class LiveServer:
+    """daphne serving the project (HTTP and websockets) against the test database, as a subprocess."""
+
+    def __init__(self, log_path: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log_path.open("wb")
+        self.log_path = log_path
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(self.port), "webapp.asgi:application"],
+            cwd=ROOT, env=worker_env(), stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+        deadline = time.monotonic() + 60
+        import urllib.request
+
+        while True:
+            try:
+                urllib.request.urlopen(f"{self.url}/login/", timeout=1)
+                return
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise AssertionError(f"daphne did not start: {log_path.read_text()[-3000:]}") from None
+                time.sleep(0.2)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.log.close()
+
+
+@pytest.fixture
+def live_server_proc(transactional_db: None, redis_url: str, tmp_path: Path) -> Iterator[LiveServer]:
+    server = LiveServer(tmp_path / "daphne.log")
+    yield server
+    server.stop()

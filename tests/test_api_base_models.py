@@ -34,3 +34,14 @@ def test_other_user_cannot_touch(api, other_api):
     assert other_api.get(f"/api/v1/base-models/{pk}/").status_code == 404
     assert other_api.delete(f"/api/v1/base-models/{pk}/").status_code == 404
     assert BaseModel.objects.filter(pk=pk).exists()
+
+
+def test_token_endpoint_trades_password_for_token(client, user):
+    from rest_framework.test import APIClient
+
+    anonymous = APIClient()
+    assert anonymous.post("/api/v1/auth/token/", {"username": "alice", "password": "wrong"}).status_code == 400
+    response = anonymous.post("/api/v1/auth/token/", {"username": "alice", "password": "alice-password-1"})
+    assert response.status_code == 200
+    anonymous.credentials(HTTP_AUTHORIZATION=f"Token {response.json()['token']}")
+    assert anonymous.get("/api/v1/base-models/").status_code == 200

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from django.db.models import QuerySet
+from django.db.models import ProtectedError, QuerySet
 from rest_framework import viewsets
 from rest_framework.exceptions import PermissionDenied
 from rest_framework.response import Response
@@ -16,6 +16,9 @@ from webapp.common.errors import TemperError
 
 def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | None:
     """Service errors become ``{"detail": message, "errors": details}`` with their status code."""
+    if isinstance(exc, ProtectedError):
+        users = sorted({f"{type(o)._meta.verbose_name} {o.pk}" for o in list(exc.protected_objects)[:5]})
+        return Response({"detail": f"still in use by {', '.join(users)}: remove those first"}, status=409)
     if isinstance(exc, TemperError):
         body: dict[str, Any] = {"detail": exc.message}
         if exc.details is not None:

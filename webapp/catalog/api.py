@@ -6,6 +6,7 @@ import io
 from collections.abc import Iterator
 from typing import Any, cast
 
+from django.db import models
 from django.db.models import Prefetch, QuerySet
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, extend_schema, inline_serializer
@@ -22,11 +23,44 @@ from webapp.catalog.services import ImportFailed, do_import_tasks, do_request_ca
 from webapp.common.errors import ValidationFailed
 
 
-class OwnedSerializer(serializers.ModelSerializer):
+class NonNullJSONField(serializers.JSONField):
+    """A JSON value that may be anything but null (the columns are NOT NULL; multipart sends "null")."""
+
+    def to_internal_value(self, data: Any) -> Any:
+        value = super().to_internal_value(data)
+        if value is None:
+            raise serializers.ValidationError("must not be null")
+        return value
+
+
+class JSONObjectField(NonNullJSONField):
+    def to_internal_value(self, data: Any) -> Any:
+        value = super().to_internal_value(data)
+        if not isinstance(value, dict):
+            raise serializers.ValidationError(f"must be a JSON object, not {type(value).__name__}")
+        return value
+
+
+class TemperModelSerializer(serializers.ModelSerializer):
+    serializer_field_mapping = {**serializers.ModelSerializer.serializer_field_mapping, models.JSONField: NonNullJSONField}
+
+
+class OwnedSerializer(TemperModelSerializer):
     """Rejects references to other users' objects as if they did not exist."""
 
     def scoped(self, model: type[Any]) -> QuerySet[Any]:
         return model.objects.visible_to(self.context["request"].user)
+
+    def validate_name(self, value: str) -> str:
+        """Names are unique per owner (a database constraint DRF cannot see, as owner is not a field)."""
+        model = self.Meta.model
+        owner = self.instance.owner if self.instance is not None else self.context["request"].user
+        clash = model.objects.filter(owner=owner, name=value)
+        if self.instance is not None:
+            clash = clash.exclude(pk=self.instance.pk)
+        if clash.exists():
+            raise serializers.ValidationError(f"you already have a {model._meta.verbose_name} named {value!r}")
+        return value
 
 
 class BaseModelSerializer(OwnedSerializer):
@@ -41,7 +75,7 @@ class CalibrationReportSerializer(serializers.ModelSerializer):
         fields = ["id", "status", "passed", "summary", "error", "created_at", "finished_at"]
 
 
-class CalibrationCaseSerializer(serializers.ModelSerializer):
+class CalibrationCaseSerializer(TemperModelSerializer):
     class Meta:
         model = CalibrationCase
         fields = ["id", "prompt", "completion", "reference", "expected", "label", "note"]
@@ -59,6 +93,7 @@ def check_verifier_config(kind: str, config: dict[str, Any]) -> None:
 
 class VerifierSerializer(OwnedSerializer):
     calibration_cases = CalibrationCaseSerializer(many=True, required=False)
+    config = JSONObjectField(required=False, help_text="The kind's configuration (validated by the kind)")
     last_calibration = serializers.SerializerMethodField()
 
     class Meta:
@@ -103,6 +138,8 @@ class VerifierSerializer(OwnedSerializer):
 
 class TaskDomainSerializer(OwnedSerializer):
     verifier = serializers.PrimaryKeyRelatedField(queryset=Verifier.objects.all(), allow_null=True, required=False)
+    sandbox_limits = JSONObjectField(required=False, help_text="Overrides of the sandbox limits for this domain")
+    sampling_defaults = JSONObjectField(required=False, help_text="Default sampling settings for this domain")
 
     class Meta:
         model = TaskDomain

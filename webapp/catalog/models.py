@@ -85,7 +85,7 @@ class CalibrationCase(TimestampedModel):
 
     verifier = models.ForeignKey(Verifier, on_delete=models.CASCADE, related_name="calibration_cases")
     prompt = models.TextField(blank=True)
-    completion = models.TextField()
+    completion = models.TextField(blank=True)  # an empty answer is a classic hack case
     reference = models.JSONField(default=dict, blank=True)
     expected = models.CharField(max_length=4, choices=Expected.choices)
     label = models.CharField(max_length=4, choices=Label.choices, default=Label.GOOD)

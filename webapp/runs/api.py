@@ -14,7 +14,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 
 from webapp.api import router
-from webapp.catalog.api import IdCursorPagination
+from webapp.catalog.api import IdCursorPagination, JSONObjectField
 from webapp.catalog.models import BaseModel, TaskDomain
 from webapp.common.errors import ValidationFailed
 from webapp.runs import metrics as metric_store
@@ -34,7 +34,7 @@ class RunDomainSerializer(serializers.ModelSerializer):
 class RunSerializer(serializers.ModelSerializer):
     domains = RunDomainSerializer(source="run_domains", many=True)
     base_model = serializers.PrimaryKeyRelatedField(queryset=BaseModel.objects.all())
-    spec = serializers.JSONField(required=False, help_text="RunSpec: algorithm, pipeline, sampling, max_steps, …")
+    spec = JSONObjectField(required=False, help_text="RunSpec: algorithm, pipeline, sampling, max_steps, …")
 
     class Meta:
         model = Run

@@ -153,7 +153,7 @@ def uncalibrated_domains(run: Run) -> list[str]:
         if verifier is None:
             problems.append(f"{rd.domain.name}: no verifier")
         elif not verifier.calibrated:
-            problems.append(f"{rd.domain.name}: verifier {verifier.name!r} is {verifier.calibration_status}")
+            problems.append(f"{rd.domain.name}: verifier {verifier.name!r} is {verifier.get_calibration_status_display()}")
     return problems
 
 
