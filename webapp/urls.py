@@ -7,7 +7,7 @@ from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 from rest_framework.authtoken.views import obtain_auth_token
 
-import webapp.catalog.api  # noqa: F401  (registers its resources on the router)
+import webapp.catalog.api
 import webapp.runs.api  # noqa: F401  (registers its resources on the router)
 from webapp.api import router
 

@@ -9,14 +9,24 @@ from __future__ import annotations
 
 import os
 
-from celery import Celery
+from celery import Celery, Task
+from django.db.utils import InterfaceError, OperationalError
 from kombu import Exchange, Queue
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "webapp.settings")
 
 QUEUES = ("control", "rollout", "train", "verify")
 
-app = Celery("temper")
+class TemperTask(Task):
+    """Database hiccups (a locked SQLite file, a dropped PostgreSQL connection) are retried, not lost."""
+
+    autoretry_for = (OperationalError, InterfaceError)
+    retry_backoff = 1
+    retry_backoff_max = 30
+    max_retries = 8
+
+
+app = Celery("temper", task_cls=TemperTask)
 app.config_from_object("django.conf:settings", namespace="CELERY")
 app.conf.update(
     task_queues=[Queue(name, Exchange(name, type="direct"), routing_key=name) for name in QUEUES],
@@ -41,5 +51,6 @@ app.conf.update(
     # An unacknowledged task is redelivered after this long; tasks are one short step each.
     broker_transport_options={"visibility_timeout": 3600},
     worker_hijack_root_logger=False,
-    imports=["workers.tasks.health", "workers.tasks.control", "workers.tasks.verify"],
+    imports=["workers.tasks.health", "workers.tasks.control", "workers.tasks.rollout", "workers.tasks.train",
+             "workers.tasks.verify"],
 )

@@ -53,7 +53,7 @@ class OwnedSerializer(TemperModelSerializer):
 
     def validate_name(self, value: str) -> str:
         """Names are unique per owner (a database constraint DRF cannot see, as owner is not a field)."""
-        model = self.Meta.model
+        model: Any = self.Meta.model
         owner = self.instance.owner if self.instance is not None else self.context["request"].user
         clash = model.objects.filter(owner=owner, name=value)
         if self.instance is not None:

@@ -9,11 +9,13 @@ from typing import Any
 
 from django.db import models
 
-from webapp.common.models import OwnedModel, TimestampedModel
+from webapp.common.models import OwnedModel, OwnedQuerySet, TimestampedModel
 
 
 class BaseModel(OwnedModel):
     """A stable language model asset: a Hugging Face format directory (or hub id) and its tokenizer."""
+
+    objects = OwnedQuerySet["BaseModel"].as_manager()
 
     name = models.CharField(max_length=200)
     path = models.CharField(max_length=1000, help_text="Hugging Face directory (absolute or under ARTIFACTS_ROOT)")
@@ -50,6 +52,8 @@ class CalibrationStatus(models.TextChoices):
 
 class Verifier(OwnedModel):
     """A verifier kind with a validated configuration, its calibration cases and its last report."""
+
+    objects = OwnedQuerySet["Verifier"].as_manager()
 
     name = models.CharField(max_length=200)
     kind = models.CharField(max_length=32, choices=VerifierKind.choices)
@@ -128,6 +132,8 @@ class DomainKind(models.TextChoices):
 
 class TaskDomain(OwnedModel):
     """A named family of tasks with its verifier, sandbox limits, sampling defaults and held-out split."""
+
+    objects = OwnedQuerySet["TaskDomain"].as_manager()
 
     name = models.CharField(max_length=200)
     kind = models.CharField(max_length=16, choices=DomainKind.choices, default=DomainKind.ANSWER)

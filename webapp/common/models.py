@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Self
+from typing import Any, Self, TypeVar
 
 from django.conf import settings
 from django.db import models
@@ -18,7 +18,10 @@ class TimestampedModel(models.Model):
         abstract = True
 
 
-class OwnedQuerySet(models.QuerySet[Any]):
+_M = TypeVar("_M", bound=models.Model)
+
+
+class OwnedQuerySet(models.QuerySet[_M]):
     def visible_to(self, user: Any) -> Self:
         """What ``user`` may see: everything for staff, their own rows for everyone else."""
         if user.is_staff:
@@ -27,11 +30,12 @@ class OwnedQuerySet(models.QuerySet[Any]):
 
 
 class OwnedModel(TimestampedModel):
-    """A row that belongs to one user; only they (and staff) see or change it."""
+    """A row that belongs to one user; only they (and staff) see or change it.
+
+    Each concrete subclass declares ``objects = OwnedQuerySet.as_manager()`` (so the manager is typed for it).
+    """
 
     owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="+")
-
-    objects = OwnedQuerySet.as_manager()
 
     class Meta:
         abstract = True

@@ -12,7 +12,7 @@ from django.conf import settings
 from django.db import models
 
 from webapp.catalog.models import BaseModel, Task, TaskDomain
-from webapp.common.models import OwnedModel, TimestampedModel
+from webapp.common.models import OwnedModel, OwnedQuerySet, TimestampedModel
 
 
 class RunStatus(models.TextChoices):
@@ -37,6 +37,8 @@ class Engine(models.TextChoices):
 
 class Run(OwnedModel):
     """A base model, weighted domains, an algorithm and pipeline settings, and a lifecycle."""
+
+    objects = OwnedQuerySet["Run"].as_manager()
 
     name = models.CharField(max_length=200)
     description = models.TextField(blank=True)
@@ -156,6 +158,42 @@ class AliasEvent(models.Model):
     class Meta:
         ordering = ["id"]
         indexes = [models.Index(fields=["base_model", "alias", "-id"], name="aliasevent_current")]
+
+
+class PromptGroup(models.Model):
+    """One admitted prompt of a run and the fate of its G samples: the unit the loop schedules and trains.
+
+    Every admitted group ends ``trained`` exactly once or ``dropped`` with a reason, so the counts of a
+    run always add up, whatever was killed or restarted on the way.
+    """
+
+    class Status(models.TextChoices):
+        ADMITTED = "admitted"       # chosen by the scheduler, waiting for a rollout worker
+        GENERATING = "generating"   # claimed by a rollout task
+        VERIFYING = "verifying"     # samples written, verdicts arriving
+        READY = "ready"             # every sample judged: in the ready buffer
+        TRAINING = "training"       # claimed by train step ``trained_step``
+        TRAINED = "trained"
+        DROPPED = "dropped"
+
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="groups", db_index=False)
+    key = models.CharField(max_length=64)
+    task = models.ForeignKey(Task, null=True, on_delete=models.SET_NULL, related_name="+")
+    domain = models.ForeignKey(TaskDomain, null=True, on_delete=models.SET_NULL, related_name="+")
+    status = models.CharField(max_length=12, choices=Status.choices, default=Status.ADMITTED)
+    admitted_version = models.PositiveIntegerField(default=0)
+    generated_version = models.PositiveIntegerField(null=True, blank=True)
+    n_samples = models.PositiveSmallIntegerField(default=0)
+    attempt = models.PositiveSmallIntegerField(default=0)
+    trained_step = models.PositiveIntegerField(null=True, blank=True)
+    drop_reason = models.CharField(max_length=200, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["id"]
+        constraints = [models.UniqueConstraint(fields=["run", "key"], name="promptgroup_run_key_unique")]
+        indexes = [models.Index(fields=["run", "status", "id"], name="group_run_status_id")]
 
 
 class Verdict(models.TextChoices):

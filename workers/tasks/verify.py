@@ -1,13 +1,71 @@
-"""Verify-queue tasks: calibrate a verifier (judge its cases several times) and store the report."""
+"""Verify-queue tasks: judge a group's samples, and calibrate a verifier."""
 
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, cast
 
 from workers.celery import app
 
 log = logging.getLogger(__name__)
+_VERIFIERS: dict[tuple[int, str], Any] = {}
+
+
+def _built(verifier_row: Any) -> Any:
+    from workers.verifiers.base import build_verifier
+
+    key = (verifier_row.pk, verifier_row.updated_at.isoformat())
+    if key not in _VERIFIERS:
+        _VERIFIERS[key] = build_verifier(verifier_row.kind, verifier_row.config)
+    return _VERIFIERS[key]
+
+
+def judge(verifier_row: Any, prompt: str, completion: str, reference: Any) -> Any:
+    """One verdict. A verifier that crashes gives ``invalid`` with the reason, never a score of 0."""
+    from workers.verifiers.base import JudgeInput, invalid
+
+    if verifier_row is None:
+        return invalid("the domain has no verifier")
+    started = time.monotonic()
+    try:
+        return _built(verifier_row).judge(JudgeInput(prompt=prompt, completion=completion, reference=reference))
+    except Exception as exc:
+        return invalid(f"verifier crashed: {type(exc).__name__}: {exc}").with_latency(
+            (time.monotonic() - started) * 1000)
+
+
+@app.task(name="workers.tasks.verify.verify_group")
+def verify_group(group_id: int) -> str:
+    """Judge every pending sample of a group; when all are judged, the group joins the ready buffer."""
+    from webapp.runs import pipeline
+    from webapp.runs.metrics import Point
+    from webapp.runs.models import PromptGroup, Verdict
+    from workers.tasks.control import advance_run
+    from workers.telemetry import emit
+
+    group = PromptGroup.objects.select_related("domain__verifier", "task").filter(pk=group_id).first()
+    if group is None or group.status != PromptGroup.Status.VERIFYING:
+        return "skipped"
+    reference = group.task.reference if group.task else {}
+    latencies = []
+    for trajectory in pipeline.group_trajectories(group):
+        if trajectory.verdict != Verdict.PENDING:
+            continue
+        verdict = judge(group.domain.verifier if group.domain else None, trajectory.prompt, trajectory.completion,
+                        reference)
+        latencies.append(verdict.latency_ms)
+        pipeline.record_verdict(trajectory.pk, status=verdict.status, score=verdict.score,
+                                reason=verdict.reason or "", details=verdict.to_dict().get("details", {}),
+                                latency_ms=verdict.latency_ms)
+    if pipeline.finish_verification(group):
+        if latencies:
+            latencies.sort()
+            emit(group.run_id, [Point("verify_latency_ms_p50", group.run.step, latencies[len(latencies) // 2],
+                                      domain_id=group.domain_id)])
+        advance_run.delay(group.run_id)
+        return "ready"
+    return "pending"
 
 
 @app.task(name="workers.tasks.verify.calibrate_verifier")
@@ -32,7 +90,7 @@ def calibrate_verifier(report_id: int) -> str:
                             expected=cast(Any, c.expected), label=cast(Any, c.label))
             for c in verifier_row.calibration_cases.all()
         ]
-        outcome = calibrate(verifier, cases)
+        outcome = calibrate(cast(Any, verifier), cases)
     except Exception as exc:  # a broken verifier is reported on its calibration, not lost in a log
         log.exception("calibration %s failed", report_id)
         do_record_calibration(report, passed=None, summary={}, error=f"{type(exc).__name__}: {exc}")

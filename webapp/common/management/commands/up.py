@@ -60,6 +60,7 @@ class Command(BaseCommand):
     def add_arguments(self, parser: Any) -> None:
         parser.add_argument("--host", default=os.environ.get("HOST", "127.0.0.1"))
         parser.add_argument("--port", type=int, default=int(os.environ.get("PORT", "8000")))
+        parser.add_argument("--no-demo", action="store_true", help="do not seed and start the demo run")
         parser.add_argument("--verify-concurrency", type=int, default=max(1, min(4, os.cpu_count() or 1)))
 
     def handle(self, *args: Any, **opts: Any) -> None:
@@ -95,9 +96,16 @@ class Command(BaseCommand):
             ])
         _wait_redis(settings.REDIS_URL, timeout=15)
         user, password = ensure_demo_login()
+        if not opts["no_demo"]:
+            from django.core.management import call_command
+
+            call_command("seed_demo", user=user, start=True, stdout=self.stdout)
         celery = [py, "-m", "celery", "-A", "workers.celery", "worker", "--without-mingle", "--without-gossip",
                   "-l", "INFO"]
-        self._spawn("worker-control", [*celery, "-Q", "control", "-n", "control@%h", "--concurrency", "1"])
+        # -B: the control worker also runs the beat schedule (kick_active_runs), which re-issues work a lost
+        # message (a killed worker, a restarted Redis) left behind. Exactly one process may run it.
+        self._spawn("worker-control", [*celery, "-Q", "control", "-n", "control@%h", "--concurrency", "1",
+                                       "-B", "-s", str(var / "celerybeat-schedule")])
         self._spawn("worker-gpu", [*celery, "-Q", "rollout,train", "-n", "gpu@%h", "--pool", "solo"])
         self._spawn("worker-sandbox", [*celery, "-Q", "verify", "-n", "sandbox@%h",
                                        "--concurrency", str(opts["verify_concurrency"])])

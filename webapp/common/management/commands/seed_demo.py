@@ -1,0 +1,110 @@
+"""``python manage.py seed_demo``: the demo domains, a calibrated verifier, the demo base model and a run.
+
+Idempotent: what exists is left alone. With ``--start`` the demo run is started (the first ``make run``
+does this), so a newcomer sees held-out reward rise on the run page within minutes.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from django.conf import settings
+from django.contrib.auth import get_user_model
+from django.core.management.base import BaseCommand
+from tqdm import tqdm
+
+from webapp.catalog.models import BaseModel, CalibrationCase, CalibrationReport, TaskDomain, Verifier
+from webapp.catalog.services import do_import_tasks, do_record_calibration
+from webapp.runs.models import Run
+from webapp.runs.services import DomainWeight, do_create_run, do_start_run
+
+DEMO_MODEL_DIR = "assets/base-models/demo"
+DEMO_RUN_SPEC: dict[str, Any] = {
+    # Measured through this loop: LoRA r=16 at lr 3e-4 climbed 35% -> 57% held-out in 50 steps and
+    # stalled; LoRA tolerates 3e-4..1e-3 (PITFALLS.md), so the demo uses 1e-3. Full fine-tuning at
+    # this rate would collapse.
+    "algorithm": {"learning_rate": 1e-3, "lora_rank": 16, "lora_alpha": 32, "clip_low": 0.2, "clip_high": 0.2,
+                  "updates_per_batch": 2, "micro_batch_size": 64},
+    "pipeline": {"mode": "async", "group_size": 8, "batch_prompts": 16, "max_staleness": 1,
+                 "rollout_batch_prompts": 16},
+    "sampling": {"temperature": 1.0, "max_tokens": 6, "stop": ["\n"]},
+    "max_steps": 150,
+    "eval_every": 5,
+    "eval_tasks": 300,
+    "seed": 0,
+}
+
+
+def calibration_cases(domain: str) -> list[dict[str, Any]]:
+    from workers.policy.demo_model import demo_tasks
+
+    rows = demo_tasks(domain, 6, seed=99, split="train")
+    cases = [{"completion": r["answer"], "reference": {"answer": r["answer"]}, "expected": "pass", "label": "good"}
+             for r in rows[:3]]
+    cases += [{"completion": str(int(r["answer"]) + 1), "reference": {"answer": r["answer"]}, "expected": "fail",
+               "label": "bad"} for r in rows[3:6]]
+    cases += [{"completion": c, "reference": {"answer": rows[0]["answer"]}, "expected": "fail", "label": "hack"}
+              for c in ("", ":", f"{rows[0]['answer']}0", f"-{rows[0]['answer']}")]
+    return cases
+
+
+class Command(BaseCommand):
+    help = "Create the demo domains, verifier, base model and run (idempotent); --start starts the run."
+
+    def add_arguments(self, parser: Any) -> None:
+        parser.add_argument("--user", default="demo")
+        parser.add_argument("--start", action="store_true")
+
+    def handle(self, *args: Any, **opts: Any) -> None:
+        from workers.policy.demo_model import DOMAINS, _split_pool
+        from workers.verifiers.base import JudgeInput, build_verifier
+        from workers.verifiers.calibration import CalibrationCase as Case
+        from workers.verifiers.calibration import calibrate
+
+        User = get_user_model()
+        owner, _ = User.objects.get_or_create(username=opts["user"], defaults={"is_staff": True, "is_superuser": True})
+        model_dir = settings.BASE_DIR / DEMO_MODEL_DIR
+        if not (model_dir / "config.json").exists():
+            from workers.policy.demo_model import build_demo_model
+
+            self.stdout.write(f"building the demo base model into {model_dir} (a few minutes, once) …")
+            build_demo_model(model_dir)
+        base_model, _ = BaseModel.objects.get_or_create(
+            owner=owner, name="demo", defaults={"path": DEMO_MODEL_DIR, "parameters": 1_084_288,
+                                                "description": "Tiny Qwen2 built by Temper (workers/policy/demo_model.py)"})
+        verifier, created = Verifier.objects.get_or_create(
+            owner=owner, name="exact-answer",
+            defaults={"kind": "exact_match", "config": {}, "description": "Exact match of the answer line"})
+        if created:
+            CalibrationCase.objects.bulk_create(
+                [CalibrationCase(verifier=verifier, **c) for d in DOMAINS for c in calibration_cases(d)])
+        if not verifier.calibrated:
+            report = CalibrationReport.objects.create(verifier=verifier, status=CalibrationReport.Status.RUNNING)
+            judged = calibrate(build_verifier(verifier.kind, verifier.config), [
+                Case(input=JudgeInput(prompt=c.prompt, completion=c.completion, reference=c.reference),
+                     expected=c.expected, label=c.label)  # type: ignore[arg-type]
+                for c in verifier.calibration_cases.all()])
+            do_record_calibration(report, passed=judged.passed, summary=judged.to_dict())
+            verifier.refresh_from_db()
+            self.stdout.write(f"calibrated {verifier.name}: {judged.summary_line()}")
+        domains = {}
+        for name in DOMAINS:
+            domain, created = TaskDomain.objects.get_or_create(
+                owner=owner, name=name, defaults={"kind": "answer", "verifier": verifier,
+                                                  "description": f"Demo domain: {name} (workers/policy/demo_model.py)"})
+            if created or domain.task_count == 0:
+                rows = [{"prompt": p, "answer": a, "split": split}
+                        for split in ("train", "heldout") for p, a in _split_pool(name, split)]  # type: ignore[arg-type]
+                lines = (json.dumps(r) for r in tqdm(rows, desc=f"import {name}", unit="task", leave=False))
+                result = do_import_tasks(domain, lines)
+                self.stdout.write(f"domain {name}: {result.imported} tasks ({result.heldout} held out)")
+            domains[name] = domain
+        run = Run.objects.filter(owner=owner, name="demo: addition").first()
+        if run is None:
+            run = do_create_run(owner, name="demo: addition", base_model=base_model,
+                                domains=[DomainWeight(domains["addition"])], spec=DEMO_RUN_SPEC,
+                                description="GRPO with LoRA on the demo model: watch held-out reward rise")
+        if opts["start"] and run.status == "draft":
+            do_start_run(run, actor=owner)
+            self.stdout.write(f"started run #{run.pk} {run.name}")

@@ -1,0 +1,114 @@
+"""The pure scheduler: from a snapshot of a run's pipeline, decide what to start next.
+
+Admission bounds off-policyness the way AReaL does: new prompts start only while
+
+    (max_staleness + v + 1) * B - (accepted + running) > 0
+
+where ``v`` is the newest policy version, ``B`` the train batch in prompt groups, ``accepted`` the groups
+already verified (ready, training or trained) and ``running`` those still being generated or verified.
+So no sample can ever be more than ``max_staleness`` versions old when it is trained, and nothing is
+generated only to be thrown away. ``max_staleness = 0`` is the synchronous mode: generate a batch,
+verify it, train on it, and only then generate the next.
+
+Prompts are spread across domains by weight (largest deficit first, higher priority first), so hundreds
+of domains share the budget in proportion. Backpressure: at most ``max_in_flight`` groups are in flight,
+so a slow verifier or trainer holds generation back instead of growing queues without bound.
+
+Pure: plain dataclasses in, plain dataclasses out; no Django, no Celery, no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class DomainShare:
+    domain_id: int
+    weight: float
+    priority: int = 0
+    admitted: int = 0
+    """Groups of this domain admitted so far (dropped ones excluded)."""
+    exhausted: bool = False
+    """No train task left to admit (an empty domain)."""
+
+
+@dataclass(frozen=True)
+class PipelineState:
+    version: int
+    step: int
+    accepted: int
+    """Groups verified so far: ready + training + trained."""
+    running: int
+    """Groups admitted but not yet verified: admitted + generating + verifying."""
+    ready: int
+    training: bool
+    """A train step is claimed and not finished."""
+    domains: Sequence[DomainShare]
+
+
+@dataclass(frozen=True)
+class Limits:
+    batch_groups: int
+    """B: complete groups per train step."""
+    max_staleness: int
+    rollout_batch: int
+    """Most groups handed to one generation task."""
+    max_in_flight: int
+    """Backpressure: most groups admitted but not yet verified."""
+    max_steps: int
+
+
+@dataclass
+class Plan:
+    admit: dict[int, int] = field(default_factory=dict)
+    """domain id -> groups to admit now."""
+    train: bool = False
+    """Claim the next train step on B ready groups."""
+    complete: bool = False
+
+    @property
+    def admit_total(self) -> int:
+        return sum(self.admit.values())
+
+
+def admission_capacity(state: PipelineState, limits: Limits) -> int:
+    """How many more groups may start under the staleness bound and the in-flight bound."""
+    staleness_room = (limits.max_staleness + state.version + 1) * limits.batch_groups - (state.accepted + state.running)
+    flight_room = limits.max_in_flight - state.running
+    steps_left = limits.max_steps - state.step
+    # never admit more than the remaining steps can train
+    total_room = steps_left * limits.batch_groups - (state.accepted - state.step * limits.batch_groups) - state.running
+    return max(0, min(staleness_room, flight_room, limits.rollout_batch, total_room))
+
+
+def split_by_weight(domains: Sequence[DomainShare], n: int) -> dict[int, int]:
+    """Give ``n`` admissions to domains: higher priority first, then the largest weighted deficit."""
+    live = [d for d in domains if not d.exhausted and d.weight > 0]
+    if n <= 0 or not live:
+        return {}
+    top = max(d.priority for d in live)
+    pool = [d for d in live if d.priority == top]
+    total_weight = sum(d.weight for d in pool)
+    counts = {d.domain_id: d.admitted for d in pool}
+    grand = sum(counts.values())
+    out: dict[int, int] = {}
+    for _ in range(n):
+        grand += 1
+        # deficit: the share a domain should have after this admission minus what it has
+        best = max(pool, key=lambda d: (grand * d.weight / total_weight - counts[d.domain_id], -d.domain_id))
+        counts[best.domain_id] += 1
+        out[best.domain_id] = out.get(best.domain_id, 0) + 1
+    return out
+
+
+def plan(state: PipelineState, limits: Limits) -> Plan:
+    """What to start next. Idempotent given the same state: the caller applies it under the run's lock."""
+    result = Plan()
+    if state.step >= limits.max_steps:
+        result.complete = not state.training
+        return result
+    result.train = not state.training and state.ready >= limits.batch_groups
+    result.admit = split_by_weight(state.domains, admission_capacity(state, limits))
+    return result
