@@ -46,8 +46,9 @@ lint: $(VENV)/.dev-installed
 typecheck: $(VENV)/.dev-installed
 	$(PY) -m mypy webapp workers sandboxes
 
+# Without REDIS_URL the tests start their own Redis on 6398, apart from `make run`'s on 6399.
 pytest: $(VENV)/.dev-installed system-deps
-	$(PY) -m pytest $(PYTEST_ARGS)
+	TEMPER_EMBEDDED_REDIS_PORT=$${TEMPER_EMBEDDED_REDIS_PORT:-6398} $(PY) -m pytest $(PYTEST_ARGS)
 
 test: lint typecheck pytest
 
