@@ -1,1 +1,70 @@
-pass
+"""The pure scheduler: the AReaL staleness bound, weighting across domains, backpressure, completion."""
+
+from __future__ import annotations
+
+from workers.pipeline.scheduler import DomainShare, Limits, PipelineState, admission_capacity, plan, split_by_weight
+
+LIMITS = Limits(batch_groups=4, max_staleness=1, rollout_batch=100, max_in_flight=100, max_steps=1000)
+
+
+def state(**kw):
+    base = dict(version=0, step=0, accepted=0, running=0, ready=0, training=False, domains=[DomainShare(1, 1.0)])
+    base.update(kw)
+    return PipelineState(**base)
+
+
+def test_staleness_bound_matches_areal_formula():
+    # (max_staleness + v + 1) * B - (accepted + running)
+    assert admission_capacity(state(), LIMITS) == (1 + 0 + 1) * 4
+    assert admission_capacity(state(version=3, step=3, accepted=14, running=2), LIMITS) == (1 + 3 + 1) * 4 - 16
+    assert admission_capacity(state(version=0, accepted=4, running=4), LIMITS) == 0
+
+
+def test_synchronous_mode_admits_one_batch_per_version():
+    sync = Limits(batch_groups=4, max_staleness=0, rollout_batch=100, max_in_flight=100, max_steps=10)
+    assert admission_capacity(state(), sync) == 4
+    assert admission_capacity(state(accepted=4), sync) == 0  # wait for the train step
+    assert admission_capacity(state(version=1, step=1, accepted=4), sync) == 4
+
+
+def test_backpressure_and_rollout_batch():
+    tight = Limits(batch_groups=8, max_staleness=4, rollout_batch=3, max_in_flight=10, max_steps=1000)
+    assert admission_capacity(state(running=0), tight) == 3
+    assert admission_capacity(state(running=9), tight) == 1
+    assert admission_capacity(state(running=10), tight) == 0
+
+
+def test_never_admits_more_than_remaining_steps_can_train():
+    near_end = Limits(batch_groups=4, max_staleness=8, rollout_batch=100, max_in_flight=100, max_steps=2)
+    assert admission_capacity(state(version=1, step=1, accepted=4, running=0), near_end) == 4
+    assert admission_capacity(state(version=1, step=1, accepted=6, running=2), near_end) == 0
+
+
+def test_weights_split_admissions_in_proportion():
+    domains = [DomainShare(1, 3.0), DomainShare(2, 1.0)]
+    assert split_by_weight(domains, 8) == {1: 6, 2: 2}
+    # a domain behind its share catches up first
+    assert split_by_weight([DomainShare(1, 1.0, admitted=10), DomainShare(2, 1.0, admitted=0)], 4) == {2: 4}
+
+
+def test_priority_wins_and_exhausted_domains_are_skipped():
+    domains = [DomainShare(1, 5.0), DomainShare(2, 1.0, priority=1), DomainShare(3, 1.0, priority=2, exhausted=True)]
+    assert split_by_weight(domains, 3) == {2: 3}
+
+
+def test_three_hundred_domains_share_by_weight():
+    domains = [DomainShare(i, 2.0 if i % 2 else 1.0) for i in range(300)]
+    out = split_by_weight(domains, 3000)
+    assert len(out) == 300 and sum(out.values()) == 3000
+    for domain_id, got in out.items():
+        exact = 3000 * (2.0 if domain_id % 2 else 1.0) / 450
+        assert abs(got - exact) <= 1, (domain_id, got, exact)  # each domain within one admission of its share
+
+
+def test_plan_trains_when_a_batch_is_ready_and_completes_at_max_steps():
+    p = plan(state(accepted=4, ready=4), LIMITS)
+    assert p.train and p.admit_total == 4
+    assert not plan(state(accepted=4, ready=4, training=True), LIMITS).train
+    done = plan(state(step=1000, version=1000), LIMITS)
+    assert done.complete and done.admit_total == 0 and not done.train
+    assert not plan(state(step=1000, training=True), LIMITS).complete
