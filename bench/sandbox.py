@@ -1,0 +1,148 @@
+"""Sandbox latency and throughput: the warm pool vs a naive `subprocess.run([python, "-c", code])`.
+
+Both run the same small test program — a solution plus assert-style tests — and both are measured in
+the same run, interleaved in blocks so that a change in machine load hits both alike. The pool goes
+through exactly the path verification uses: `SandboxPool.run(SandboxSpec(code, epilogue=tests))` with
+the full isolation of the tier (namespaces, cgroup, rlimits, scrubbed environment, a fresh process and
+work directory per execution, the authenticated report). The naive baseline isolates nothing.
+
+    python bench/sandbox.py [--pool-runs 400] [--naive-runs 40]
+
+Ends with one line: `result: pool_p50_ms=… pool_p95_ms=… … throughput_ratio=… tier=…`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from sandboxes import SandboxPool, SandboxSpec
+
+SOLUTION = """\
+def fizzbuzz(n):
+    if n % 15 == 0:
+        return "FizzBuzz"
+    if n % 3 == 0:
+        return "Fizz"
+    if n % 5 == 0:
+        return "Buzz"
+    return str(n)
+"""
+TESTS = """\
+assert fizzbuzz(1) == "1"
+assert fizzbuzz(3) == "Fizz"
+assert fizzbuzz(10) == "Buzz"
+assert [fizzbuzz(i) for i in range(1, 16)][-1] == "FizzBuzz"
+"""
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU of a process and of its reaped children (the zygote and every sandbox it forked)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pool-runs", type=int, default=400)
+    parser.add_argument("--naive-runs", type=int, default=40)
+    parser.add_argument("--blocks", type=int, default=8, help="interleaved blocks of pool and naive runs")
+    args = parser.parse_args()
+
+    spec = SandboxSpec(code=SOLUTION, epilogue=TESTS)
+    naive_argv = [sys.executable, "-c", SOLUTION + TESTS]
+    pool_latencies: list[float] = []
+    naive_latencies: list[float] = []
+    pool_busy = naive_busy = 0.0
+    pool_cpu = pool_owner_cpu = naive_cpu = 0.0  # CPU seconds spent by the zygote tree / this process on pool runs
+
+    with SandboxPool(size=1) as pool:
+        for _ in range(20):  # warm-up (page cache, standbys)
+            result = pool.run(spec)
+            assert result.passed, result.to_dict()
+        subprocess.run(naive_argv, check=True)
+        zygote = pool.zygote_pids[0]
+        for block in range(args.blocks):
+            n_pool = args.pool_runs // args.blocks + (block < args.pool_runs % args.blocks)
+            n_naive = args.naive_runs // args.blocks + (block < args.naive_runs % args.blocks)
+            zygote_before, own_before = tree_cpu_seconds(zygote), own_cpu_seconds()
+            start = time.perf_counter()
+            for _ in range(n_pool):
+                t = time.perf_counter()
+                result = pool.run(spec)
+                pool_latencies.append(time.perf_counter() - t)
+                if not result.passed:
+                    raise SystemExit(f"the pool gave a wrong verdict: {result.to_dict()}")
+            pool_busy += time.perf_counter() - start
+            time.sleep(0.05)  # let the zygote reap and clean up after the block's last execution
+            pool_cpu += tree_cpu_seconds(zygote) - zygote_before
+            pool_owner_cpu += own_cpu_seconds() - own_before
+            children_before = resource.getrusage(resource.RUSAGE_CHILDREN)
+            start = time.perf_counter()
+            for _ in range(n_naive):
+                t = time.perf_counter()
+                subprocess.run(naive_argv, check=True, capture_output=True)
+                naive_latencies.append(time.perf_counter() - t)
+            naive_busy += time.perf_counter() - start
+            children_after = resource.getrusage(resource.RUSAGE_CHILDREN)
+            naive_cpu += (children_after.ru_utime + children_after.ru_stime
+                          - children_before.ru_utime - children_before.ru_stime)
+        stats = pool.stats()
+        tier = pool.tier or "unknown"
+
+    pool_eps = len(pool_latencies) / pool_busy
+    naive_eps = len(naive_latencies) / naive_busy
+    ratio = pool_eps / naive_eps
+    rows = [
+        ("warm pool (isolated)", pool_latencies, pool_eps),
+        ("naive subprocess.run", naive_latencies, naive_eps),
+    ]
+    print(f"sandbox benchmark — tier {tier}, {os.cpu_count()} CPUs, load average "
+          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(f"{'path':<22} {'runs':>6} {'p50 ms':>9} {'p95 ms':>9} {'mean ms':>9} {'exec/s':>9}")
+    for name, latencies, eps in rows:
+        print(f"{name:<22} {len(latencies):>6} {percentile(latencies, 0.5) * 1e3:>9.2f} "
+              f"{percentile(latencies, 0.95) * 1e3:>9.2f} {statistics.fmean(latencies) * 1e3:>9.2f} {eps:>9.1f}")
+    cpu_ms = (pool_cpu + pool_owner_cpu) / len(pool_latencies) * 1e3
+    print(f"pool CPU per execution: {cpu_ms:.2f} ms (zygote and sandboxes "
+          f"{pool_cpu / len(pool_latencies) * 1e3:.2f} ms, owner {pool_owner_cpu / len(pool_latencies) * 1e3:.2f} ms); "
+          f"naive: {naive_cpu / len(naive_latencies) * 1e3:.2f} ms")
+    print(f"throughput ratio (pool / naive): {ratio:.1f}x; pool start latency p50 "
+          f"{stats['start_latency_p50_ms']:.2f} ms, warm hits {stats['warm_hits']}, cold starts "
+          f"{stats['cold_starts']}, failures {stats['failures']}")
+    print(
+        "result: "
+        f"pool_p50_ms={percentile(pool_latencies, 0.5) * 1e3:.2f} "
+        f"pool_p95_ms={percentile(pool_latencies, 0.95) * 1e3:.2f} "
+        f"pool_eps={pool_eps:.1f} "
+        f"naive_p50_ms={percentile(naive_latencies, 0.5) * 1e3:.2f} "
+        f"naive_p95_ms={percentile(naive_latencies, 0.95) * 1e3:.2f} "
+        f"naive_eps={naive_eps:.1f} "
+        f"throughput_ratio={ratio:.1f} "
+        f"start_p50_ms={stats['start_latency_p50_ms']:.2f} "
+        f"pool_cpu_ms_per_exec={cpu_ms:.2f} "
+        f"naive_cpu_ms_per_exec={naive_cpu / len(naive_latencies) * 1e3:.2f} "
+        f"tier={tier}"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,310 @@
+"""The trusted harness that runs inside the sandbox, and the authenticated report channel it writes.
+
+Inside the sandbox process the harness
+1. installs an audit hook (it cannot be removed) that refuses the most direct ways to rewrite the
+   harness from the untrusted code: ctypes, gc object walking, other threads' frames, trace/profile
+   functions and further audit hooks;
+2. runs the untrusted `code` as `__main__`, catching everything (SystemExit and other BaseExceptions
+   included) with references taken before the code ran;
+3. restores the builtins the code may have replaced, then runs every top-level statement of the
+   epilogue, compiled *before* the code ran, in the code's namespace (restoring builtins again before
+   each); `assert` raises the interpreter's own AssertionError whatever the code did;
+4. runs the optional command;
+5. after each step writes a frame to the report pipe: length, HMAC-SHA256 over (sequence number,
+   payload) keyed with a per-execution secret, JSON payload.
+
+The secret lives only in this process's memory; it never appears in the environment, argv, files or
+stdout. The reader (the pool's owner process, outside the sandbox) rejects the whole report on a bad MAC, a gap in
+the sequence, a second frame for the same step or trailing garbage, so output written to the pipe by the
+code is detected as tampering rather than believed.
+
+After the code has started, the harness uses only references it bound before, and C-level callables
+(`_hashlib.hmac_digest`, `_json.encode_basestring_ascii`, `os.write`, `os.posix_spawnp`, ...): patching
+json, hmac, subprocess, builtins or this module changes nothing on the report path.
+
+Residual risk, plainly: the code runs in the same interpreter as the harness, so code that walks stack
+frames (`sys._getframe().f_back`, tracebacks) can in principle reach the harness's locals, find the
+secret and forge frames; a thread the code leaves running keeps running during the epilogue; names the
+code defines in its own namespace (e.g. its own `len`) shadow builtins for the epilogue, as in any test
+of that code. The audit hook, the read-only inputs, the non-dumpable process (no /proc/self/mem) and the
+noexec work directory (no custom native extension) raise the cost of an attack; they do not make it
+impossible. Verifiers should also judge what they can from outside (artifacts, exit status, a token the
+epilogue writes) and calibrate against known hacks.
+"""
+
+from __future__ import annotations
+
+import ast
+import hmac
+import json
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+FRAME_HEADER = struct.Struct(">I32s")  # payload length, HMAC-SHA256
+MAX_FRAME_BYTES = 64 << 10
+MAX_REPORT_BYTES = 1 << 20  # the report pipe's buffer: the owner reads it once, at the end
+REPORT_FD = 3
+
+
+def sign(key: bytes, seq: int, payload: bytes) -> bytes:
+    return hmac.digest(key, struct.pack(">Q", seq) + payload, "sha256")
+
+
+def encode_frame(key: bytes, seq: int, message: dict[str, Any]) -> bytes:
+    payload = json.dumps(message, separators=(",", ":")).encode()
+    return FRAME_HEADER.pack(len(payload), sign(key, seq, payload)) + payload
+
+
+class ReportTampered(Exception):
+    """The report stream was not written (only) by the harness."""
+
+
+def decode_frames(key: bytes, data: bytes) -> list[dict[str, Any]]:
+    """Verify and decode a complete report stream; raise ReportTampered on anything unexpected.
+
+    A stream cut at a frame boundary is fine (the sandbox died); a stream cut inside a frame is not
+    (the harness writes each frame with one write() well under the pipe's atomic size).
+    """
+    messages: list[dict[str, Any]] = []
+    offset = 0
+    while offset < len(data):
+        if len(data) - offset < FRAME_HEADER.size:
+            raise ReportTampered("truncated frame header")
+        length, mac = FRAME_HEADER.unpack_from(data, offset)
+        offset += FRAME_HEADER.size
+        if length > MAX_FRAME_BYTES or offset + length > len(data):
+            raise ReportTampered("bad frame length")
+        payload = data[offset : offset + length]
+        offset += length
+        if not hmac.compare_digest(mac, sign(key, len(messages), payload)):
+            raise ReportTampered(f"bad MAC on frame {len(messages)}")
+        try:
+            message = json.loads(payload)
+        except ValueError as exc:
+            raise ReportTampered("frame is not JSON") from exc
+        if not isinstance(message, dict):
+            raise ReportTampered("frame is not an object")
+        messages.append(message)
+    return messages
+
+
+@dataclass(frozen=True)
+class EpilogueStatement:
+    lineno: int
+    source: str
+
+
+def split_epilogue(epilogue: str) -> list[EpilogueStatement]:
+    """The top-level statements of a trusted epilogue (raises SyntaxError for a bad one)."""
+    tree = ast.parse(epilogue, "<epilogue>", "exec")
+    out = []
+    for node in tree.body:
+        source = ast.get_source_segment(epilogue, node) or ast.unparse(node)
+        out.append(EpilogueStatement(node.lineno, source))
+    return out
+
+
+def compile_epilogue(epilogue: str) -> list[Any]:
+    tree = ast.parse(epilogue, "<epilogue>", "exec")
+    return [compile(ast.Module(body=[node], type_ignores=[]), "<epilogue>", "exec") for node in tree.body]
+
+
+BLOCKED_EVENTS = frozenset({
+    "sys.addaudithook",
+    "sys.settrace",
+    "sys.setprofile",
+    "sys._current_frames",
+    "gc.get_objects",
+    "gc.get_referrers",
+    "gc.get_referents",
+    "object.__setattr__.__code__",
+})
+
+
+def run_harness(code: str, code_path: str, epilogue_code: list[Any], command: list[str] | None,
+                key: bytes, timeout_hint: float) -> None:
+    """Run code, epilogue and command in this (already sandboxed) process; never returns.
+
+    Rule for everything below that runs after the untrusted code started: use only local names bound
+    before it started, and C-level callables. No global or builtin is looked up by name and no
+    Python-level library function is called on the report path, because the code can replace any of
+    them (json.dumps, hmac.new, builtins.enumerate, subprocess.run, ...).
+    """
+    # try/except instead of contextlib.suppress throughout: contextlib is a Python module the code can patch.
+    import _hashlib
+    import _json
+    import builtins
+    import os
+    import struct as _struct
+    import sys
+    import traceback
+    import types
+
+    _exec, _compile, _isinstance, _str, _type, _len = exec, compile, isinstance, str, type, len
+    _BaseException, _SystemExit, _RuntimeError = BaseException, SystemExit, RuntimeError
+    _int, _bool, _float, _tuple, _range = int, bool, float, tuple, range
+    _int_repr, _float_repr = int.__repr__, float.__repr__
+    _write, _exit, _waitpid, _spawnp = os.write, os._exit, os.waitpid, os.posix_spawnp
+    _exitcode = os.waitstatus_to_exitcode
+    _hmac_digest, _quote, _pack = _hashlib.hmac_digest, _json.encode_basestring_ascii, _struct.pack
+    _format_exc = traceback.format_exception
+    _dict_clear, _dict_update = dict.clear, dict.update
+    _builtins_dict = builtins.__dict__
+    _builtins_snapshot = dict(_builtins_dict)
+    _command_env = dict(os.environ)
+    _statements = _tuple(epilogue_code)
+    _report_fd, _blocked = REPORT_FD, BLOCKED_EVENTS
+    _max_frame = MAX_FRAME_BYTES
+    _sys_modules = sys.modules
+    _streams = (sys.__stdout__, sys.__stderr__)  # the real ones, whatever the code rebinds later
+    seq = [0]
+
+    def value(v: Any) -> str:
+        t = _type(v)
+        if v is None:
+            return "null"
+        if t is _bool:
+            return "true" if v else "false"
+        if t is _int:
+            return _int_repr(v)
+        if t is _float:
+            return _float_repr(v)
+        if t is _str:
+            return _quote(v)
+        return _quote("<unserializable>")
+
+    def emit(message: dict[str, Any]) -> None:
+        payload = ("{" + ",".join([_quote(k) + ":" + value(v) for k, v in message.items()]) + "}").encode()
+        if _len(payload) > _max_frame:
+            payload = ("{" + ",".join([_quote(k) + ":" + value(v) for k, v in message.items()
+                                       if k != "error"]) + "}").encode()
+        mac = _hmac_digest(key, _pack(">Q", seq[0]) + payload, "sha256")
+        seq[0] += 1
+        try:  # noqa: SIM105
+            _write(_report_fd, _pack(">I32s", _len(payload), mac) + payload)
+        except OSError:
+            pass  # the code closed or replaced our fd: the reader sees a short report
+
+    def describe(exc: BaseException) -> str:
+        try:
+            name = _type(exc).__name__
+            if _isinstance(exc, _SystemExit):
+                code = exc.code  # type: ignore[attr-defined]
+                text = _int_repr(code) if _type(code) is _int else ("None" if code is None else _quote(_str(code)))
+                return f"{name}({text})"
+            text = _str(exc)
+        except _BaseException:
+            return "<exception that cannot be described>"
+        if _len(text) > 500:
+            text = text[:500] + "..."
+        return f"{name}: {text}" if text else name
+
+    def print_exception(exc: BaseException) -> None:
+        try:
+            text = "".join(_format_exc(_type(exc), exc, exc.__traceback__))
+        except _BaseException:
+            text = describe(exc) + "\n"
+        try:  # noqa: SIM105
+            _write(2, text.encode("utf-8", "replace")[-65536:])
+        except _BaseException:
+            pass
+
+    def flush() -> None:
+        for stream in _streams:
+            try:
+                if stream is not None:
+                    stream.flush()
+            except _BaseException:
+                pass
+
+    def audit(event: str, args: tuple[Any, ...]) -> None:
+        if event in _blocked or event.startswith("ctypes."):
+            raise _RuntimeError(f"{event} is not allowed in the sandbox")
+        if event == "object.__setattr__" and _len(args) >= 2 and args[1] == "__code__":
+            raise _RuntimeError("replacing __code__ is not allowed in the sandbox")
+        if event == "open" and args and _type(args[0]) is _str and args[0].startswith("/proc/") and (
+            args[0].endswith("/mem") or "/map_files/" in args[0]
+        ):
+            raise _RuntimeError("process memory is not accessible in the sandbox")
+
+    main = types.ModuleType("__main__")
+    main.__dict__.update({"__file__": code_path, "__builtins__": builtins, "__cached__": None})
+    namespace = main.__dict__
+    _sys_modules["__main__"] = main
+    sys.argv[:] = [code_path]
+    import time
+
+    emit({"k": "start", "t": time.monotonic()})
+    sys.addaudithook(audit)
+
+    # ---- the untrusted code
+    code_completed, code_error, exit_code = False, None, 0
+    try:
+        compiled = _compile(code, code_path, "exec", dont_inherit=True)
+        _exec(compiled, namespace)
+        code_completed = True
+    except _SystemExit as exc:
+        code_error = describe(exc)
+        status = exc.code
+        if status is None:
+            exit_code = 0
+        elif _type(status) is _int:
+            exit_code = _int(status) % 256
+        else:
+            exit_code = 1
+            try:  # noqa: SIM105
+                _write(2, (_str(status) + "\n").encode("utf-8", "replace"))
+            except _BaseException:
+                pass
+    except _BaseException as exc:
+        code_error = describe(exc)
+        exit_code = 1
+        print_exception(exc)
+    _dict_clear(_builtins_dict)  # the trusted epilogue sees the real builtins again
+    _dict_update(_builtins_dict, _builtins_snapshot)
+    emit({"k": "code", "completed": code_completed, "error": code_error})
+
+    # ---- the trusted epilogue, one statement at a time
+    failed = False
+    for index in _range(_len(_statements)):
+        ok, error = False, None
+        _dict_clear(_builtins_dict)
+        _dict_update(_builtins_dict, _builtins_snapshot)
+        try:
+            _exec(_statements[index], namespace)
+            ok = True
+        except _BaseException as exc:
+            error = describe(exc)
+            failed = True
+        _dict_clear(_builtins_dict)
+        _dict_update(_builtins_dict, _builtins_snapshot)
+        emit({"k": "stmt", "i": index, "ok": ok, "error": error})
+    emit({"k": "epilogue"})
+
+    # ---- the optional command (spawned and waited with C-level calls only)
+    command_exit: int | None = None
+    if command is not None:
+        flush()  # what the code printed comes before what the command prints
+        try:
+            pid = _spawnp(command[0], command, _command_env)
+            command_exit = _exitcode(_waitpid(pid, 0)[1])
+        except _BaseException as exc:
+            command_exit = 127
+            try:  # noqa: SIM105
+                _write(2, f"command failed to run: {describe(exc)}\n".encode())
+            except _BaseException:
+                pass
+        emit({"k": "command", "exit": command_exit})
+
+    flush()
+    for stream in (sys.stdout, sys.stderr):  # the code's own, if it replaced them
+        try:
+            if stream is not None:
+                stream.flush()
+        except _BaseException:
+            pass
+    if exit_code == 0 and (failed or (command_exit is not None and command_exit != 0)):
+        exit_code = 1
+    emit({"k": "end", "exit": exit_code})
+    _exit(exit_code)

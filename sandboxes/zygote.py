@@ -1,0 +1,458 @@
+"""The zygote: a warm, pre-started interpreter that keeps pre-forked sandboxes ready for its owner.
+
+Started by `SandboxPool` as `python -I -c ... sandboxes.zygote` with an already scrubbed environment, it
+preloads modules, runs the capability probe, enters a private mount namespace, freezes its heap (so
+children copy fewer pages) and then keeps `standbys` sandboxes handed out ahead to its owner over a
+SOCK_SEQPACKET socket (their fds passed with SCM_RIGHTS). Making one:
+
+  slot      a fresh tmpfs (size: the disk limit) holding the work directory (root, sticky 1777) — later
+            also the code and the inputs — and a fresh cgroup (memory, pids, cpuacct);
+  fork      the sandbox process, PID 1 of a new PID namespace (unshare(CLONE_NEWPID) before the fork,
+            setns back after). At nice 19 (the owner renices it when it hands it a job) it joins the
+            cgroup, unshares mount, network, IPC and UTS namespaces, puts its slot alone on /tmp,
+            covers any directory the sandbox uid cannot enter but the interpreter lives in (pyenv under
+            /root) with a tmpfs that re-exposes only the interpreter, makes the whole mount tree
+            read-only/nosuid/private, re-allows writes on /tmp (noexec), mounts a fresh /proc, scrubs the
+            environment, drops to a per-zygote unmapped uid with no groups, no_new_privs and
+            non-dumpable, keeps only fds 0-4 and waits for its job on fd 4.
+
+The owner (`sandboxes.runner`) writes the inputs, sends the job, supervises and judges. The zygote, the
+sandbox's parent, reaps it and reports how it ended ({"exited": id, ...}), and when the owner releases
+it removes its slot and cgroup. The zygote exits, killing every sandbox it made, when its owner goes
+away (quit message, socket EOF or reparenting).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import gc
+import math
+import os
+import pickle
+import resource
+import select
+import signal
+import socket
+import struct
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from sandboxes import _linux
+from sandboxes.api import (
+    Limits,
+    SandboxSpec,
+)
+from sandboxes.harness import (
+    REPORT_FD,
+    compile_epilogue,
+    decode_frames,
+    run_harness,
+)
+
+# Imported here so that executions find them already loaded (the point of a warm interpreter).
+PRELOAD = (
+    "abc", "argparse", "array", "base64", "bisect", "calendar", "collections", "copy", "csv", "dataclasses",
+    "datetime", "decimal", "enum", "fractions", "functools", "heapq", "io", "itertools", "json", "math",
+    "operator", "random", "re", "statistics", "string", "textwrap", "typing", "unittest", "uuid",
+)
+
+SANDBOX_ENV = {
+    "PATH": "/usr/local/bin:/usr/bin:/bin",
+    "LANG": "C.UTF-8",
+    "LC_ALL": "C.UTF-8",
+    "HOME": "/tmp",
+    "TMPDIR": "/tmp",
+    "USER": "sandbox",
+    "LOGNAME": "sandbox",
+    "PYTHONDONTWRITEBYTECODE": "1",
+    "PYTHONIOENCODING": "utf-8",
+}
+SANDBOX_ROOT = "/tmp"  # in the namespaced tiers: a fresh tmpfs per execution
+UID_BASE = 1_000_000  # sandbox uid = UID_BASE + zygote pid: unmapped, unique among live zygotes
+MAX_ARTIFACTS = 100
+MAX_ARTIFACT_BYTES = 8 << 20
+MAX_ARTIFACTS_TOTAL = 32 << 20
+START_STANDBY_TIMEOUT = 30.0
+STANDBY_NICE = 19
+F_SETPIPE_SZ = 1031
+REPORT_PIPE_BYTES = 1 << 20
+GO_FD = 4  # D reads its job here; closed before the untrusted code runs
+DEFAULT_LIMITS = Limits()
+DEFAULT_DISK = DEFAULT_LIMITS.disk_bytes
+
+_LEN = struct.Struct(">Q")
+
+
+MAX_PACKET = 1 << 16
+
+
+def send_packet(sock: socket.socket, obj: Any, fds: list[int] | tuple[int, ...] = ()) -> None:
+    """One message (a pickle, between trusted processes only) on a SOCK_SEQPACKET socket, with fds."""
+    socket.send_fds(sock, [pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)], list(fds))
+
+
+def recv_packet(sock: socket.socket) -> tuple[Any, list[int]]:
+    """(message, fds); (None, []) when the peer closed the socket."""
+    data, fds, _, _ = socket.recv_fds(sock, MAX_PACKET, 16)
+    if not data:
+        return None, fds
+    return pickle.loads(data), fds
+
+
+@dataclass
+class Standby:
+    """A pre-forked sandbox process waiting for its job; used once."""
+
+    pid: int  # in the zygote's PID namespace (PID 1 of its own)
+    pidfd: int
+    slot: str  # the slot's root as the zygote sees it (a tmpfs in the namespaced tiers)
+    cgroup: _linux.CgroupSet | None
+    go_w: int  # the job goes through this pipe
+    stdin_fd: int
+    out_r: int
+    err_r: int
+    rep_r: int
+    ident: int
+
+    @property
+    def workdir(self) -> str:
+        return os.path.join(self.slot, "work")
+
+    def fds(self) -> list[int]:
+        return [self.pidfd, self.go_w, self.stdin_fd, self.out_r, self.err_r, self.rep_r]
+
+    def close_fds(self) -> None:
+        for fd in self.fds():
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+
+
+class Zygote:
+    """Serves requests (the parent) while its forked twin, the forker, prepares standbys.
+
+    Both are copies of the same pristine interpreter; the forker does all the forking, mounting, cgroup
+    making, reaping and cleaning, so none of that sits between a request and its answer.
+    """
+
+    def __init__(self, sock: socket.socket | None, owner_pid: int, forced_tier: str | None,
+                 standbys: int = 2) -> None:
+        self.sock = sock
+        self.owner_pid = owner_pid
+        tier, cgroups = _linux.decide_tier()
+        if forced_tier is not None and _TIER_ORDER.index(forced_tier) > _TIER_ORDER.index(tier):
+            tier = forced_tier  # only ever weaker than what the machine gives (tests use this)
+            cgroups = cgroups if tier == _linux.TIER_FULL else None
+        self.tier = tier
+        self.cgroups = cgroups
+        self.namespaces = tier != _linux.TIER_RLIMITS
+        self.drop_privileges = os.geteuid() == 0
+        self.uid = UID_BASE + os.getpid() if self.drop_privileges else os.getuid()
+        self.pidns_fd = -1
+        self.standby_target = standbys
+        self.counter = 0
+        if self.namespaces:
+            # Our own mount namespace: the per-execution tmpfs mounts never show up on the host, and a
+            # small tmpfs on /tmp holds the slots' mount points.
+            _linux.unshare(_linux.CLONE_NEWNS)
+            _linux.mount("none", "/", None, _linux.MS_REC | _linux.MS_PRIVATE)
+            _linux.mount("tmpfs", SANDBOX_ROOT, "tmpfs", _linux.MS_NOSUID | _linux.MS_NODEV, "size=1m,mode=711")
+            self.slots_base = SANDBOX_ROOT
+            self.pidns_fd = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
+        # The interpreter may live where the sandbox uid cannot go (pyenv under /root, 0700): such a
+        # directory is covered inside each sandbox, with only the interpreter's own trees re-attached.
+        self.expose: dict[str, list[str]] = {}
+        for path in dict.fromkeys(os.path.realpath(p) for p in (sys.base_prefix, sys.prefix, sys.executable)):
+            hidden = _linux.hidden_ancestor(path)
+            if hidden is not None and self.namespaces:
+                tree = path if os.path.isdir(path) else os.path.dirname(path)
+                trees = self.expose.setdefault(hidden, [])
+                if not any(tree == t or tree.startswith(t + "/") for t in trees):
+                    trees.append(tree)
+        else:
+            import tempfile
+
+            self.slots_base = tempfile.mkdtemp(prefix="temper-sandbox-")
+            os.chmod(self.slots_base, 0o711)
+        # Warm the crypto and pickle paths once here rather than in every child.
+        decode_frames(b"k" * 32, b"")
+        pickle.loads(pickle.dumps(SandboxSpec(code="")))
+        gc.collect()
+        gc.freeze()  # children then do not write to (and copy) the pages of every preloaded object
+
+    # ------------------------------------------------------------ the loop: make standbys, clean up after them
+
+    def serve(self) -> None:
+        """Keep `standby_target` standbys handed out ahead; reap and clean the used ones.
+
+        Messages from the owner: {"took": id} (a standby was taken: make another), {"release": id} (the
+        owner is done with it: clean its slot and cgroup once its init is reaped), {"remount": id,
+        "size": n} (resize its tmpfs; answered with {"remounted": id}), {"quit": True}.
+        """
+        assert self.sock is not None
+        sock = self.sock
+        send_packet(sock, {"ready": True, "tier": self.tier, "pid": os.getpid(), "uid": self.uid,
+                           "namespaces": self.namespaces, "drop_privileges": self.drop_privileges})
+        wake_r, wake_w = os.pipe()
+        os.set_blocking(wake_r, False)
+        os.set_blocking(wake_w, False)
+        signal.set_wakeup_fd(wake_w)
+        signal.signal(signal.SIGCHLD, lambda *_: None)  # wakes the select below through the wake-up fd
+        children: dict[int, tuple[int, str, _linux.CgroupSet | None]] = {}  # pid -> ident, slot, cgroup
+        slots: dict[int, str] = {}
+        reaped: dict[int, tuple[str, _linux.CgroupSet | None]] = {}
+        released: set[int] = set()
+        outstanding = 0
+        try:
+            while self._owner_alive():
+                while outstanding < self.standby_target:
+                    pid, ident, slot, cgroup, fds = self._make_standby()
+                    children[pid] = (ident, slot, cgroup)
+                    slots[ident] = slot
+                    try:
+                        send_packet(sock, {"standby": {"pid": pid, "slot": slot, "cgroup": cgroup,
+                                                       "ident": ident}}, fds)
+                    finally:
+                        for fd in fds:
+                            os.close(fd)
+                    outstanding += 1
+                readable, _, _ = select.select([sock, wake_r], [], [], 1.0)
+                if wake_r in readable:
+                    with contextlib.suppress(OSError):
+                        os.read(wake_r, 4096)
+                if sock in readable:
+                    message, _ = recv_packet(sock)  # OSError (owner gone) ends the loop below
+                    if message is None or message.get("quit"):
+                        return
+                    if "took" in message:
+                        outstanding -= 1
+                    if "release" in message:
+                        released.add(message["release"])
+                    if "remount" in message:
+                        _linux.mount("tmpfs", slots[message["remount"]], None,
+                                     _linux.MS_REMOUNT | _linux.MS_NOSUID | _linux.MS_NODEV,
+                                     f"size={int(message['size'])}")
+                        send_packet(sock, {"remounted": message["remount"]})
+                while children:  # reap what has ended, and tell the owner how it ended
+                    try:
+                        pid, status, usage = os.wait4(-1, os.WNOHANG)
+                    except ChildProcessError:
+                        break
+                    if pid == 0:
+                        break
+                    entry = children.pop(pid, None)
+                    if entry is not None:
+                        reaped[entry[0]] = (entry[1], entry[2])
+                        send_packet(sock, {"exited": entry[0], "status": status,
+                                           "cpu": usage.ru_utime + usage.ru_stime, "maxrss": usage.ru_maxrss})
+                for ident in [i for i in released if i in reaped]:
+                    slot, cgroup = reaped.pop(ident)
+                    released.discard(ident)
+                    slots.pop(ident, None)
+                    self._cleanup_slot(slot, cgroup)
+        except OSError:
+            pass  # the owner closed the socket: same as quitting
+        finally:
+            # Owner gone or quitting: kill every sandbox (in flight or waiting) and clean up.
+            for pid, (_, slot, cgroup) in children.items():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(pid, 0)
+                self._cleanup_slot(slot, cgroup)
+            for slot, cgroup in reaped.values():
+                self._cleanup_slot(slot, cgroup)
+            if not self.namespaces:
+                import shutil
+
+                shutil.rmtree(self.slots_base, ignore_errors=True)
+
+    def _owner_alive(self) -> bool:
+        return os.getppid() == self.owner_pid
+
+    # ------------------------------------------------------------ preparing a standby
+
+    def _make_standby(self) -> tuple[int, int, str, _linux.CgroupSet | None, list[int]]:
+        self.counter += 1
+        slot = os.path.join(self.slots_base, f"slot-{self.counter}")
+        os.mkdir(slot, 0o1777)
+        if self.namespaces:
+            _linux.mount("tmpfs", slot, "tmpfs", _linux.MS_NOSUID | _linux.MS_NODEV,
+                         f"size={DEFAULT_DISK},mode=1777,nr_inodes=16384")
+        os.chmod(slot, 0o1777)
+        workdir = os.path.join(slot, "work")
+        os.mkdir(workdir)
+        os.chmod(workdir, 0o1777)  # sticky: the code cannot delete or rename root's read-only inputs
+        cgroup = None
+        try:
+            if self.cgroups is not None:
+                cgroup = self.cgroups.create(DEFAULT_LIMITS.memory_bytes, DEFAULT_LIMITS.max_processes)
+            go_r, go_w = os.pipe()
+            out_r, out_w = os.pipe()
+            err_r, err_w = os.pipe()
+            rep_r, rep_w = os.pipe()
+            with contextlib.suppress(OSError):
+                fcntl.fcntl(rep_w, F_SETPIPE_SZ, REPORT_PIPE_BYTES)
+            stdin_fd = os.memfd_create("stdin", 0)
+            child_fds = (stdin_fd, out_w, err_w, rep_w, go_r)
+            keep = (go_w, out_r, err_r, rep_r)
+            if self.namespaces:
+                _linux.unshare(_linux.CLONE_NEWPID)  # applies to our next child only
+            try:
+                pid = os.fork()
+            except BaseException:
+                if self.namespaces:
+                    _linux.setns(self.pidns_fd, _linux.CLONE_NEWPID)
+                raise
+            if pid == 0:
+                try:
+                    for fd in keep:
+                        os.close(fd)
+                    self._sandbox_process(slot, cgroup, child_fds)
+                finally:
+                    os._exit(125)  # never return into the forker's loop
+            if self.namespaces:
+                _linux.setns(self.pidns_fd, _linux.CLONE_NEWPID)  # our own namespace again for children
+        except BaseException:
+            if cgroup is not None:
+                cgroup.remove()
+            raise
+        for fd in (out_w, err_w, rep_w, go_r):  # the child's ends (stdin_fd is shared: we write it)
+            os.close(fd)
+        for fd in (out_r, err_r, rep_r):
+            os.set_blocking(fd, False)
+        return pid, self.counter, slot, cgroup, [os.pidfd_open(pid), go_w, stdin_fd, out_r, err_r, rep_r]
+
+    def _cleanup_slot(self, slot: str, cgroup: _linux.CgroupSet | None) -> None:
+        if self.namespaces:
+            with contextlib.suppress(OSError):
+                _linux.umount(slot)
+            with contextlib.suppress(OSError):
+                os.rmdir(slot)
+        else:
+            import shutil
+
+            shutil.rmtree(slot, ignore_errors=True)
+        if cgroup is not None:
+            cgroup.remove()
+
+    # ------------------------------------------------------------ inside the sandbox
+
+    def _sandbox_process(self, slot: str, cgroup: _linux.CgroupSet | None, fds: tuple[int, int, int, int, int]
+                         ) -> None:
+        """The sandbox: PID 1 of its namespaces. Isolates itself, drops privileges, waits for its job, runs
+        the harness and the untrusted code. Never returns.
+
+        Being the namespace's init, its exit makes the kernel kill everything left in the namespace, and
+        signals it sends itself with the default action are ignored (the kernel's own signals — the hard
+        CPU limit's SIGKILL, a segfault — still kill it).
+        """
+        # Get ready at the lowest priority, so that preparing the next sandbox never slows the one running:
+        # the owner raises us back to normal when it hands us a job.
+        os.setpriority(os.PRIO_PROCESS, 0, STANDBY_NICE)
+        os.setsid()
+        _linux.prctl(_linux.PR_SET_PDEATHSIG, signal.SIGKILL)
+        if cgroup is not None:
+            for procs in cgroup.procs_files():
+                with open(procs, "w") as f:
+                    f.write("0")
+        root = slot
+        if self.namespaces:
+            _linux.unshare(_linux.CLONE_NEWNS | _linux.CLONE_NEWNET | _linux.CLONE_NEWIPC | _linux.CLONE_NEWUTS)
+            _linux.mount(slot, SANDBOX_ROOT, None, _linux.MS_BIND)  # our slot, alone, on /tmp
+            for hidden, trees in self.expose.items():
+                _linux.expose_under_tmpfs(hidden, trees)
+            _linux.make_tree_readonly("/")
+            _linux.mount_setattr(SANDBOX_ROOT, _linux.MOUNT_ATTR_NOEXEC | _linux.MOUNT_ATTR_NOSUID
+                                 | _linux.MOUNT_ATTR_NODEV, attr_clr=_linux.MOUNT_ATTR_RDONLY, recursive=False)
+            _linux.mount("proc", "/proc", "proc", _linux.MS_NOSUID | _linux.MS_NODEV | _linux.MS_NOEXEC)
+            _linux.sethostname("sandbox")
+            root = SANDBOX_ROOT
+
+        high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 200) for fd in fds]
+        for target, fd in enumerate(high):
+            os.dup2(fd, target, inheritable=True)
+        go_fd = GO_FD
+        os.closerange(GO_FD + 1, 1 << 16)
+        os.set_inheritable(REPORT_FD, False)  # the command must not get the report channel
+        os.set_inheritable(go_fd, False)
+        for sig in (signal.SIGPIPE, signal.SIGINT, signal.SIGTERM, signal.SIGXCPU, signal.SIGXFSZ):
+            signal.signal(sig, signal.SIG_DFL)
+        workdir = os.path.join(root, "work")
+        os.chdir(workdir)
+        os.environ.clear()
+        os.environ.update(SANDBOX_ENV)
+        if not self.namespaces:
+            os.environ["HOME"] = os.environ["TMPDIR"] = root
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        if self.drop_privileges:
+            os.setgroups([])
+            os.setresgid(self.uid, self.uid, self.uid)
+            os.setresuid(self.uid, self.uid, self.uid)
+        _linux.prctl(_linux.PR_SET_NO_NEW_PRIVS, 1)
+        _linux.prctl(_linux.PR_SET_DUMPABLE, 0)
+        sys.path[0:0] = [workdir]
+
+        # ---- ready: wait for the job (the zygote's owner is the only writer of this pipe)
+        header = _read_exact(go_fd, _LEN.size)
+        if header is None:
+            os._exit(0)  # discarded without a job
+        job = pickle.loads(_read_exact(go_fd, _LEN.unpack(header)[0]) or b"")
+        os.close(go_fd)
+        limits: Limits = job["limits"]
+        # Lowering limits needs no privilege, so they are set after the drop, per job. RLIMIT_CPU counts
+        # from the process start: add what the set-up already used. Soft = hard: as init we would ignore
+        # the soft limit's SIGXCPU; the hard limit's SIGKILL comes from the kernel and always kills.
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        cpu = max(1, math.ceil(usage.ru_utime + usage.ru_stime + limits.cpu_seconds))
+        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limits.max_file_bytes, limits.max_file_bytes))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (limits.max_open_files, limits.max_open_files))
+        if self.cgroups is None:
+            # Without a cgroup: per-uid process count (the zygote's waiting standbys share the uid and
+            # count too) and per-process address space.
+            resource.setrlimit(resource.RLIMIT_NPROC, (limits.max_processes, limits.max_processes))
+            resource.setrlimit(resource.RLIMIT_AS, (limits.memory_bytes, limits.memory_bytes))
+        epilogue_code = compile_epilogue(job["epilogue"]) if job["epilogue"] is not None else []
+        run_harness(job["code"], job["code_path"], epilogue_code, job["command"], job["key"],
+                    limits.wall_seconds)
+
+
+_TIER_ORDER = [_linux.TIER_FULL, _linux.TIER_NAMESPACES, _linux.TIER_RLIMITS]
+
+
+def _read_exact(fd: int, n: int) -> bytes | None:
+    chunks = []
+    while n:
+        try:
+            chunk = os.read(fd, n)
+        except InterruptedError:
+            continue
+        if not chunk:
+            return None
+        chunks.append(chunk)
+        n -= len(chunk)
+    return b"".join(chunks)
+
+
+
+def main() -> None:
+    """Entry point: `python -I -c "...; main()" OWNER_PID SOCKET_FD [FORCED_TIER]`."""
+    owner_pid, sock_fd = int(sys.argv[1]), int(sys.argv[2])
+    forced = sys.argv[3] if len(sys.argv) > 3 and sys.argv[3] else None
+    for name in PRELOAD:
+        with contextlib.suppress(ImportError):
+            __import__(name)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET, fileno=sock_fd)
+    if os.getppid() != owner_pid:
+        return
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C in a terminal reaches the owner, which closes us
+    try:
+        zygote = Zygote(sock, owner_pid, forced)
+    except Exception as exc:
+        with contextlib.suppress(OSError):
+            send_packet(sock, {"ready": False, "error": f"{exc!r}"})
+        return
+    zygote.serve()
