@@ -21,7 +21,7 @@ from urllib.parse import urlencode
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "webapp.settings")
 
-import django  # noqa: E402
+import django
 
 django.setup()
 

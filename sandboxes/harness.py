@@ -98,9 +98,20 @@ class EpilogueStatement:
 def split_epilogue(epilogue: str) -> list[EpilogueStatement]:
     """The top-level statements of a trusted epilogue (raises SyntaxError for a bad one)."""
     tree = ast.parse(epilogue, "<epilogue>", "exec")
+    # ast.get_source_segment re-splits the whole source for every node (quadratic, and it showed up as
+    # half the cost of judging a long test file): split once, slice by the nodes' byte offsets.
+    lines = [line.encode() for line in epilogue.splitlines(keepends=True)]
     out = []
     for node in tree.body:
-        source = ast.get_source_segment(epilogue, node) or ast.unparse(node)
+        end_line, end_col = node.end_lineno, node.end_col_offset
+        if end_line is None or end_col is None:
+            source = ast.unparse(node)
+        elif node.lineno == end_line:
+            source = lines[node.lineno - 1][node.col_offset:end_col].decode()
+        else:
+            first = lines[node.lineno - 1][node.col_offset:]
+            middle = lines[node.lineno:end_line - 1]
+            source = b"".join([first, *middle, lines[end_line - 1][:end_col]]).decode()
         out.append(EpilogueStatement(node.lineno, source))
     return out
 

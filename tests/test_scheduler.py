@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-from workers.pipeline.scheduler import DomainShare, Limits, PipelineState, admission_capacity, plan, split_by_weight
+from workers.pipeline.scheduler import (
+    DomainShare,
+    Limits,
+    PipelineState,
+    admission_capacity,
+    plan,
+    split_by_weight,
+)
 
 LIMITS = Limits(batch_groups=4, max_staleness=1, rollout_batch=100, max_in_flight=100, max_steps=1000)
 
