@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import pytest_asyncio
 from asgiref.sync import sync_to_async
 from channels.routing import URLRouter
 from channels.testing import WebsocketCommunicator
@@ -13,6 +14,15 @@ from webapp.ui.routing import websocket_urlpatterns
 from workers.telemetry import emit
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.asyncio]
+
+
+@pytest_asyncio.fixture(autouse=True)
+async def close_thread_connections():
+    """sync_to_async runs the ORM in a worker thread; close its connection so the test DB can be dropped."""
+    yield
+    from django.db import connections
+
+    await sync_to_async(connections.close_all)()
 
 
 def communicator(run_id: int, user=None) -> WebsocketCommunicator:
