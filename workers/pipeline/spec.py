@@ -26,7 +26,10 @@ class AlgorithmSpec(BaseModel):
     advantage: Literal["grpo", "dr_grpo", "rloo"] = Field(
         "grpo", description="Group-relative advantage: GRPO (mean/std), Dr.GRPO (mean only), RLOO (leave-one-out)"
     )
-    learning_rate: float = Field(3e-4, gt=0.0, le=1.0, description="AdamW learning rate")
+    learning_rate: float = Field(
+        5e-4, gt=0.0, le=1.0,
+        description="AdamW learning rate (LoRA: 5e-4 measured best on the demo; full fine-tuning wants ~1e-4)",
+    )
     lora_rank: int = Field(16, ge=0, le=1024, description="LoRA rank; 0 means full fine-tuning")
     lora_alpha: int = Field(32, ge=1, description="LoRA scaling numerator")
     clip_low: float = Field(0.2, ge=0.0, le=1.0, description="PPO clip below 1 (ratio >= 1 - clip_low)")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -9,9 +10,18 @@ _ENGINES: dict[tuple[str, str], Any] = {}
 _TRAINERS: dict[int, Any] = {}
 
 
+def _cpu_threads() -> None:
+    """On a shared CPU, one torch thread per worker beat two by ~7x per GRPO step (measured on 2 cores)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        torch.set_num_threads(int(os.environ.get("TEMPER_TORCH_THREADS", "1")))
+
+
 def engine_for(name: str, base_model_dir: Path, seed: int = 0) -> Any:
     from workers.policy.engines import load_engine
 
+    _cpu_threads()
     key = (name, str(base_model_dir))
     if key not in _ENGINES:
         _ENGINES[key] = load_engine(name, base_model_dir, seed=seed)

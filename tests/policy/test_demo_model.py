@@ -1,0 +1,75 @@
+"""The demo domains, the exact-match scorer, and the demo base-model build."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.policy.conftest import DEMO_DIR, REPO
+from workers.policy.demo_model import DOMAINS, demo_tasks, exact_match, extract_answer
+
+
+@pytest.mark.parametrize("domain", DOMAINS)
+def test_tasks_are_deterministic_correct_and_split(domain: str) -> None:
+    rows = demo_tasks(domain, 50, seed=3, split="train")
+    assert rows == demo_tasks(domain, 50, seed=3, split="train")
+    assert rows != demo_tasks(domain, 50, seed=4, split="train")
+    for row in rows:
+        a, op, b = row["prompt"].rstrip("=").partition("+" if "+" in row["prompt"] else "*")
+        assert row["answer"] == str(int(a) + int(b) if op == "+" else int(a) * int(b))
+    train = {r["prompt"] for r in demo_tasks(domain, 10_000, seed=0, split="train")}
+    heldout = {r["prompt"] for r in demo_tasks(domain, 10_000, seed=0, split="heldout")}
+    assert train and heldout and not train & heldout
+
+
+def test_unknown_domain_and_split() -> None:
+    with pytest.raises(ValueError, match="unknown demo domain"):
+        demo_tasks("poetry", 1)
+    with pytest.raises(ValueError, match="unknown split"):
+        demo_tasks("addition", 1, split="test")  # type: ignore[arg-type]
+
+
+def test_exact_match() -> None:
+    assert exact_match("85", "85") == 1.0
+    assert exact_match(" 85 \nmore", "85") == 1.0
+    assert exact_match("85<|endoftext|>", "85") == 1.0
+    assert exact_match("851", "85") == 0.0
+    assert exact_match("", "85") == 0.0
+    assert extract_answer("12\n34") == "12"
+
+
+def test_tokenizer_is_byte_level_and_round_trips(demo_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(demo_dir)
+    assert len(tok) == 258 and tok.eos_token_id == 256 and tok.pad_token_id == 257
+    text = "37+48=85 ünïcode\n"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert len(ids) == len(text.encode()) and tok.decode(ids) == text
+    assert tok.encode("0", add_special_tokens=False) == [ord("0")]
+
+
+@pytest.mark.slow
+def test_build_is_deterministic_and_mediocre(tmp_path: Path) -> None:
+    """The CLI rebuilds the committed model bit for bit, within 5 minutes, landing at 30-50 % held-out."""
+    started = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "workers.policy.demo_model", str(tmp_path / "demo")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert time.monotonic() - started < 300
+    assert "held-out exact match addition" in proc.stderr
+    built = (tmp_path / "demo" / "model.safetensors").read_bytes()
+    assert built == (DEMO_DIR / "model.safetensors").read_bytes()
+    report = json.loads((tmp_path / "demo" / "build_report.json").read_text())
+    assert 0.30 <= report["heldout_exact_match"]["addition"] <= 0.50
+    assert report["heldout_exact_match"]["multiplication"] < report["heldout_exact_match"]["addition"]

@@ -1,0 +1,107 @@
+"""End to end on the policy pieces alone: GRPO raises the demo model's held-out exact match by >= 40 points.
+
+Slow (~1-4 minutes each on this 2-core machine). Torch runs single-threaded here: with the CPU shared, two
+OpenMP threads made each step ~7x slower; one thread is as fast as it gets for a 1M-parameter model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from workers.policy.demo_loop import run_grpo
+from workers.policy.engines import load_engine
+from workers.policy.trainer import TrainerConfig
+
+BUDGET_S = 280.0
+
+
+@pytest.fixture()
+def one_thread() -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        # Measured: full fine-tune at lr 1e-4 goes 34% -> 78-85% in ~160 s of uncontended CPU.
+        pytest.param(TrainerConfig(lr=1e-4, lora_rank=0, seed=0), id="full"),
+        # Measured: LoRA r=16 at lr 5e-4 goes 34% -> 79% in ~250 steps (~125 s).
+        pytest.param(TrainerConfig(lr=5e-4, lora_rank=16, seed=0), id="lora"),
+    ],
+)
+def test_grpo_with_torch_engine_gains_40_points(
+    cfg: TrainerConfig, demo_dir: Path, tmp_path: Path, one_thread: None
+) -> None:
+    report = run_grpo(
+        demo_dir,
+        tmp_path,
+        engine_name="torch",
+        config=cfg,
+        max_steps=1000,
+        time_budget_s=BUDGET_S,
+        seed=0,
+        early_stop_gain=0.45,
+    )
+    print(
+        f"torch rank={cfg.lora_rank}: {report.before:.1%} -> {report.after:.1%} in {report.steps} steps, "
+        f"{report.seconds:.0f} s"
+    )
+    assert report.seconds < 300
+    assert report.after - report.before >= 0.40, report.history[-5:]
+    assert not report.collapsed
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_grpo_with_vllm_engine_gains_40_points(demo_dir: Path, tmp_path: Path, one_thread: None) -> None:
+    pytest.importorskip("vllm")
+    engine = load_engine("vllm", demo_dir, seed=0)
+    try:
+        # vLLM serves LoRA versions (a LoRARequest per version), so this loop trains an adapter.
+        cfg = TrainerConfig(lr=5e-4, lora_rank=16, seed=0)
+        report = run_grpo(
+            demo_dir,
+            tmp_path,
+            engine=engine,
+            config=cfg,
+            max_steps=1000,
+            time_budget_s=BUDGET_S,
+            seed=0,
+            early_stop_gain=0.45,
+        )
+    finally:
+        engine.close()  # type: ignore[attr-defined]
+    print(
+        f"vllm lora: {report.before:.1%} -> {report.after:.1%} in {report.steps} steps, {report.seconds:.0f} s"
+    )
+    assert report.seconds < 300
+    assert report.after - report.before >= 0.40, report.history[-5:]
+
+
+def test_full_finetune_at_high_lr_collapses_and_is_reported(
+    demo_dir: Path, tmp_path: Path, one_thread: None
+) -> None:
+    """Measured: full fine-tuning at lr >= 3e-4 collapses to a constant wrong answer within ~20 steps."""
+    cfg = TrainerConfig(lr=1e-3, lora_rank=0, seed=0, collapse_patience=10)
+    report = run_grpo(
+        demo_dir,
+        tmp_path,
+        engine_name="torch",
+        config=cfg,
+        max_steps=150,
+        time_budget_s=120,
+        seed=0,
+        eval_every=1000,
+        stop_on_collapse=True,
+    )
+    assert report.collapsed and report.collapse_step is not None and report.collapse_step < 100
+    assert "identical" in (report.collapse_reason or "")
+    assert report.after < report.before
