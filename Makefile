@@ -34,8 +34,7 @@ run: $(VENV)/.run-installed
 # System packages the tests need, installed when missing (CI runs as root).
 system-deps:
 	@missing=""; \
-	command -v chromium >/dev/null || missing="$$missing chromium"; \
-	command -v bwrap >/dev/null || missing="$$missing bubblewrap"; \
+	command -v unshare >/dev/null || missing="$$missing util-linux"; \
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ]; then echo "apt-get install$$missing"; \
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
