@@ -153,6 +153,8 @@ class Zygote:
         self.pidns_fd = -1
         self.standby_target = standbys
         self.counter = 0
+        # Resolved before /tmp is covered below: a virtualenv there would no longer resolve to its interpreter.
+        self.real_executable = os.path.realpath(sys.executable)
         if self.namespaces:
             # Our own mount namespace: the per-execution tmpfs mounts never show up on the host, and a
             # small tmpfs on /tmp holds the slots' mount points.
@@ -370,6 +372,10 @@ class Zygote:
             _linux.mount("proc", "/proc", "proc", _linux.MS_NOSUID | _linux.MS_NODEV | _linux.MS_NOEXEC)
             _linux.sethostname("sandbox")
             root = SANDBOX_ROOT
+            if sys.executable.startswith(SANDBOX_ROOT + "/"):
+                # A virtualenv under /tmp (a CI checkout, say) is covered by the work directory: point
+                # sys.executable at the real interpreter, which stays visible, so code can still spawn Python.
+                sys.executable = self.real_executable
 
         high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 200) for fd in fds]
         for target, fd in enumerate(high):

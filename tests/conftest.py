@@ -94,14 +94,15 @@ def worker_env(**extra: str) -> dict[str, str]:
 class WorkerProcess:
     """A real ``celery worker`` subprocess consuming the given queues."""
 
-    def __init__(self, queues: str, log_path: Path, env: dict[str, str]) -> None:
+    def __init__(self, queues: str, log_path: Path, env: dict[str, str], beat: bool = False) -> None:
         self.queues = queues
         self.log_path = log_path
         self.log = log_path.open("wb")
+        extra = ["-B", "-s", str(log_path.with_suffix(".beat"))] if beat else []
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "celery", "-A", "workers.celery", "worker", "-Q", queues, "--pool", "solo",
              "--without-mingle", "--without-gossip", "-n", f"test-{os.getpid()}-{queues.replace(',', '-')}@%h",
-             "-l", "INFO"],
+             "-l", "INFO", *extra],
             cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
         )
 
@@ -131,15 +132,15 @@ class WorkerProcess:
 
 
 @pytest.fixture
-def start_worker(redis_url: str, tmp_path: Path) -> Iterator[Callable[[str], WorkerProcess]]:
+def start_worker(redis_url: str, tmp_path: Path) -> Iterator[Callable[..., WorkerProcess]]:
     """Start real Celery workers (``start_worker("control,verify")``); all are stopped afterwards."""
     from workers.celery import app
 
     app.control.purge()  # leftovers of earlier runs must not reach this test's workers
     workers: list[WorkerProcess] = []
 
-    def start(queues: str) -> WorkerProcess:
-        worker = WorkerProcess(queues, tmp_path / f"worker-{len(workers)}.log", worker_env())
+    def start(queues: str, beat: bool = False, **env: str) -> WorkerProcess:
+        worker = WorkerProcess(queues, tmp_path / f"worker-{len(workers)}.log", worker_env(**env), beat=beat)
         workers.append(worker)
         worker.wait_ready()
         return worker

@@ -113,3 +113,37 @@ def test_pause_keeps_work_and_resume_continues(loop_workers, api, user):
         assert time.monotonic() < deadline, list(leftover.values_list("status", flat=True))
         time.sleep(0.5)
     assert not PromptGroup.objects.filter(run_id=run_id, status="dropped", drop_reason="").exists()
+
+
+def test_a_worker_killed_mid_step_loses_nothing(start_worker, api, user):
+    """SIGKILL the rollout/train worker while it holds work; a new worker and the recovery tick finish the run."""
+    fast = {"TEMPER_KICK_SECONDS": "1", "TEMPER_STALL_SECONDS": "4"}
+    start_worker("control", beat=True, **fast)
+    start_worker("verify")
+    gpu = start_worker("rollout,train")
+    run_id = demo_run(user, api, {**SMALL, "max_steps": 4})
+    api.post(f"/api/v1/runs/{run_id}/start/", {}, format="json")
+    deadline = time.monotonic() + 120
+    while True:  # wait until the GPU worker holds work: a generation claimed, or a train step claimed
+        run = Run.objects.get(pk=run_id)
+        busy = PromptGroup.objects.filter(run_id=run_id, status__in=["generating", "training"]).exists()
+        if run.step >= 1 and busy:
+            break
+        assert time.monotonic() < deadline, "the GPU worker never got busy"
+        time.sleep(0.05)
+    gpu.kill()
+    start_worker("rollout,train")
+    run = wait_status(run_id, {"completed"}, timeout=300)
+    assert run.step == 4
+    assert list(PolicyVersion.objects.filter(run=run).values_list("number", flat=True)) == [1, 2, 3, 4]
+    groups = PromptGroup.objects.filter(run=run)
+    assert groups.filter(status="trained").count() == 16
+    for group in groups:
+        assert group.status in ("trained", "dropped", "ready"), group.status  # ready: admitted in the last steps
+        if group.status == "dropped":
+            assert group.drop_reason
+        samples = Trajectory.objects.filter(run=run, group_key=group.key)
+        if group.status == "trained":
+            # exactly G samples, each trained once, in the step that claimed the group
+            assert sorted(samples.values_list("sample_index", flat=True)) == list(range(4))
+            assert set(samples.values_list("trained_step", flat=True)) == {group.trained_step}

@@ -184,6 +184,9 @@ CHANNEL_LAYERS = {
 # --- Celery (read by workers/celery.py) -----------------------------------------------------------
 CELERY_BROKER_URL = os.environ.get("CELERY_BROKER_URL", REDIS_URL)
 CELERY_RESULT_BACKEND = os.environ.get("CELERY_RESULT_BACKEND", REDIS_URL)
+# The control worker's recovery tick: how often it runs, and after how long in-flight work counts as lost.
+TEMPER_KICK_SECONDS = float(os.environ.get("TEMPER_KICK_SECONDS", "10"))
+TEMPER_STALL_SECONDS = float(os.environ.get("TEMPER_STALL_SECONDS", "90"))
 
 LOGGING = {
     "version": 1,

@@ -11,7 +11,12 @@ from django.db import transaction
 from workers.celery import app
 
 log = logging.getLogger(__name__)
-STALL_AFTER = timedelta(seconds=90)
+
+
+def stall_after() -> timedelta:
+    from django.conf import settings
+
+    return timedelta(seconds=settings.TEMPER_STALL_SECONDS)
 
 
 @app.task(name="workers.tasks.control.advance_run")
@@ -79,18 +84,24 @@ def kick_active_runs() -> int:
 
     runs = list(Run.objects.filter(status__in=[RunStatus.QUEUED, RunStatus.RUNNING, RunStatus.PAUSING]))
     for run in runs:
-        stalled = pipeline.recover_stalled(run, STALL_AFTER)
+        stalled = pipeline.recover_stalled(run, stall_after())
         if stalled["generate"]:
             generate.delay(run.pk, stalled["generate"])
         for gid in stalled["verify"]:
             verify_group.delay(gid)
         claim = run.state.get("train_claim")
-        if claim and (run.updated_at < pipeline.timezone.now() - STALL_AFTER):
+        if claim and (run.updated_at < pipeline.timezone.now() - stall_after()):
             train_step.delay(run.pk, claim)
         advance_run.delay(run.pk)
     return len(runs)
 
 
+def _kick_seconds() -> float:
+    from django.conf import settings
+
+    return float(settings.TEMPER_KICK_SECONDS)
+
+
 app.conf.beat_schedule = {
-    "kick-active-runs": {"task": "workers.tasks.control.kick_active_runs", "schedule": 10.0},
+    "kick-active-runs": {"task": "workers.tasks.control.kick_active_runs", "schedule": _kick_seconds()},
 }
