@@ -188,6 +188,10 @@ def finish_train_step(run: Run, step: int, groups: list[PromptGroup], *, version
     """Record version ``latest+1``, mark the groups trained and advance the run, in one transaction."""
     with transaction.atomic():
         locked = Run.objects.select_for_update().get(pk=run.pk)
+        if locked.step >= step:
+            # A duplicate delivery of this step (two GPU workers, or a re-issued claim) finished first:
+            # record nothing twice.
+            return PolicyVersion.objects.get(run=run, step=step)
         number = locked.latest_version + 1
         parent = PolicyVersion.objects.filter(run=run, number=locked.latest_version).first()
         version, _ = PolicyVersion.objects.get_or_create(

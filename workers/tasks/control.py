@@ -7,6 +7,7 @@ from datetime import timedelta
 from functools import partial
 
 from django.db import transaction
+from django.utils import timezone
 
 from workers.celery import app
 
@@ -50,7 +51,8 @@ def advance_run(run_id: int) -> str:
                 if decision.train:
                     step = run.step + 1
                     run.state["train_claim"] = step
-                    Run.objects.filter(pk=run.pk).update(state=run.state)
+                    # updated_at marks when the claim was made: the recovery tick re-issues it only once stale
+                    Run.objects.filter(pk=run.pk).update(state=run.state, updated_at=timezone.now())
                     transaction.on_commit(partial(train_step.delay, run_id, step))
                 if decision.admit_total:
                     ids = pipeline.apply_admission(run, decision)
