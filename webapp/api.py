@@ -6,7 +6,6 @@ from typing import Any
 
 from django.db.models import ProtectedError, QuerySet
 from rest_framework import viewsets
-from rest_framework.exceptions import PermissionDenied
 from rest_framework.response import Response
 from rest_framework.routers import DefaultRouter
 from rest_framework.views import exception_handler as drf_exception_handler
@@ -35,12 +34,6 @@ class OwnedViewSet(viewsets.ModelViewSet):
 
     def perform_create(self, serializer: Any) -> None:
         serializer.save(owner=self.request.user)
-
-
-def check_visible(obj: Any, user: Any) -> None:
-    owner_id = getattr(obj, "owner_id", None)
-    if not user.is_staff and owner_id != user.pk:
-        raise PermissionDenied("not yours")
 
 
 router = DefaultRouter()

@@ -232,10 +232,6 @@ def recover_stalled(run: Run, older_than: timedelta) -> dict[str, list[int]]:
     return out
 
 
-def group_counts(run: Run) -> dict[str, int]:
-    return dict(PromptGroup.objects.filter(run=run).values_list("status").annotate(n=Count("id")))
-
-
 def in_flight(run: Run) -> int:
     return PromptGroup.objects.filter(run=run).filter(Q(status__in=RUNNING_STATES) | Q(status=G.TRAINING)).count()
 

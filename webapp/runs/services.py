@@ -7,7 +7,7 @@ both succeed, and each one writes an event to the run's log. Work is enqueued on
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -226,10 +226,6 @@ def current_alias(base_model: BaseModel, alias: str) -> PolicyVersion | None:
     return event.version if event else None
 
 
-def current_aliases(base_model: BaseModel) -> dict[str, PolicyVersion | None]:
-    return {alias: current_alias(base_model, alias) for alias in Alias.values}
-
-
 def do_promote_version(version: PolicyVersion, alias: str = Alias.PRODUCTION, *, actor: User = None,
                        reason: str = "") -> AliasEvent:
     """Point ``alias`` of the version's base model at ``version``; the old target becomes ``previous``."""
@@ -269,9 +265,3 @@ def do_rollback_alias(base_model: BaseModel, alias: str = Alias.PRODUCTION, *, a
                      f"{alias} rolled back to v{last.previous_version.number}", actor=actor,
                      data={"alias": alias, "version": last.previous_version.number})
     return event
-
-
-def domains_from_payload(owner_scope: Iterable[TaskDomain], items: Sequence[dict[str, Any]]) -> list[DomainWeight]:
-    """Turn ``[{"domain": id, "weight": w, "priority": p}]`` into DomainWeights (ids already scoped)."""
-    by_id = {d.pk: d for d in owner_scope}
-    return [DomainWeight(by_id[i["domain"]], float(i.get("weight", 1.0)), int(i.get("priority", 0))) for i in items]

@@ -39,7 +39,3 @@ def trainer_for(run_id: int, base_model_dir: Path, config: Any, version_dir: Pat
         trainer.version, trainer.step = version, step
         _TRAINERS[run_id] = trainer
     return trainer
-
-
-def forget_run(run_id: int) -> None:
-    _TRAINERS.pop(run_id, None)
