@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_compose_has_every_process_with_health_checks():
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     services = compose["services"]
-    assert set(services) == {"postgres", "redis", "web", "worker-control", "worker-gpu", "worker-sandbox"}
+    assert set(services) == {"postgres", "redis", "web", "worker-control", "worker-gpu", "worker-sandbox", "beat"}
     for name, service in services.items():
         assert "healthcheck" in service, name
     queues = {name: " ".join(services[name]["command"]) for name in ("worker-control", "worker-sandbox", "worker-gpu")}

@@ -77,3 +77,34 @@ def test_up_serves_pages_and_ctrl_c_stops_everything(tmp_path: Path):
     assert not left, f"left running after Ctrl-C: {left}"
     assert proc.returncode == 0, (tmp_path / "up.log").read_text()[-2000:]
     assert "Temper stopped." in (tmp_path / "up.log").read_text()
+
+
+def processes_with_env(marker: str) -> list[int]:
+    """Live processes whose environment holds ``marker`` (every child of ``up`` inherits it)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                if marker.encode() in (entry / "environ").read_bytes() and alive(int(entry.name)):
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+@pytest.mark.parametrize("after", [1.5, 5.0])
+def test_ctrl_c_during_start_up_leaves_nothing(tmp_path: Path, after: float):
+    """Ctrl-C while the children are still starting (Redis, beat, workers half up) stops every one of them."""
+    env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "DATABASE_URL")}
+    marker = f"TEMPER_VAR_DIR={tmp_path}"
+    env.update(TEMPER_VAR_DIR=str(tmp_path), TEMPER_EMBEDDED_REDIS_PORT=str(free_port()), PORT=str(free_port()))
+    subprocess.run([sys.executable, "manage.py", "migrate", "-v0"], cwd=ROOT, env=env, check=True)
+    proc = subprocess.Popen([sys.executable, "manage.py", "up", "--no-demo"], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    time.sleep(after)
+    os.killpg(proc.pid, signal.SIGINT)
+    proc.wait(60)
+    deadline = time.monotonic() + 30
+    while processes_with_env(marker) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert processes_with_env(marker) == []

