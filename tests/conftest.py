@@ -91,6 +91,17 @@ def worker_env(**extra: str) -> dict[str, str]:
     return {**os.environ, "DATABASE_URL": url, "REDIS_URL": settings.REDIS_URL, "PYTHONUNBUFFERED": "1", **extra}
 
 
+def stop_group(proc: subprocess.Popen[bytes], timeout: float) -> None:
+    """SIGTERM a subprocess's process group, then SIGKILL it if it has not exited within ``timeout``."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
 class WorkerProcess:
     """A real ``celery worker`` subprocess consuming the given queues."""
 
@@ -122,12 +133,7 @@ class WorkerProcess:
             self.proc.wait(30)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.kill()
+        stop_group(self.proc, 20)
         self.log.close()
 
 
@@ -181,13 +187,7 @@ class LiveServer:
                 time.sleep(0.2)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        stop_group(self.proc, 15)
         self.log.close()
 
 

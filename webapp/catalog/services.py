@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+from typing import Any, cast
 
 from django.contrib.auth.models import AbstractBaseUser, AnonymousUser
 from django.db import transaction
@@ -12,7 +13,10 @@ from webapp.catalog.models import CalibrationReport, CalibrationStatus, Verifier
 from webapp.catalog.task_import import ImportFailed, ImportResult, import_tasks
 from webapp.common.errors import InvalidTransition
 
-__all__ = ["ImportFailed", "ImportResult", "do_import_tasks", "do_record_calibration", "do_request_calibration"]
+log = logging.getLogger(__name__)
+
+__all__ = ["ImportFailed", "ImportResult", "do_import_tasks", "do_record_calibration", "do_request_calibration",
+           "do_run_calibration"]
 
 do_import_tasks = import_tasks
 
@@ -33,6 +37,31 @@ def do_request_calibration(verifier: Verifier, actor: AbstractBaseUser | Anonymo
             calibrate_verifier.delay(report.pk)
 
         transaction.on_commit(enqueue)
+    return report
+
+
+def do_run_calibration(report: CalibrationReport) -> CalibrationReport:
+    """Judge the report's verifier on its calibration cases now, in this process, and record the outcome.
+
+    A verifier that cannot be built or crashes is recorded as an error on the report, not lost in a log.
+    """
+    from workers.verifiers.base import JudgeInput, build_verifier
+    from workers.verifiers.calibration import CalibrationCase, calibrate
+
+    verifier_row = report.verifier
+    try:
+        verifier = build_verifier(verifier_row.kind, verifier_row.config)
+        cases = [
+            CalibrationCase(input=JudgeInput(prompt=c.prompt, completion=c.completion, reference=c.reference),
+                            expected=cast(Any, c.expected), label=cast(Any, c.label))
+            for c in verifier_row.calibration_cases.all()
+        ]
+        outcome = calibrate(cast(Any, verifier), cases)
+    except Exception as exc:
+        log.exception("calibration %s failed", report.pk)
+        do_record_calibration(report, passed=None, summary={}, error=f"{type(exc).__name__}: {exc}")
+        return report
+    do_record_calibration(report, passed=outcome.passed, summary=outcome.to_dict())
     return report
 
 

@@ -183,8 +183,17 @@ def claim_train_batch(run: Run, step: int, batch: int, max_staleness: int) -> li
     return claimed
 
 
+def release_train_claim(run_id: int) -> None:
+    """Forget a train claim that will not be carried out (nothing ready, or the run stopped)."""
+    with transaction.atomic():
+        locked = Run.objects.select_for_update().get(pk=run_id)
+        if "train_claim" in locked.state:
+            state = {k: v for k, v in locked.state.items() if k != "train_claim"}
+            Run.objects.filter(pk=run_id).update(state=state)
+
+
 def finish_train_step(run: Run, step: int, groups: list[PromptGroup], *, version_path: Path, metrics: dict[str, Any],
-                      advantages: dict[int, float] | None = None) -> PolicyVersion:
+                      finished_at: float) -> PolicyVersion:
     """Record version ``latest+1``, mark the groups trained and advance the run, in one transaction."""
     with transaction.atomic():
         locked = Run.objects.select_for_update().get(pk=run.pk)
@@ -202,6 +211,7 @@ def finish_train_step(run: Run, step: int, groups: list[PromptGroup], *, version
         Trajectory.objects.filter(run=run, group_key__in=[g.key for g in groups]).update(trained_step=step)
         state = dict(locked.state)
         state.pop("train_claim", None)
+        state["last_step_at"] = finished_at  # wall clock of the last step: the GPU-busy fraction's window
         Run.objects.filter(pk=run.pk).update(step=step, latest_version=number, state=state,
                                              updated_at=timezone.now())
     return version

@@ -34,11 +34,11 @@ def train_step(run_id: int, step: int) -> str:
     spec = RunSpec.model_validate(run.spec)
     limits = pipeline.limits_for(spec)
     if run.status not in (RunStatus.RUNNING, RunStatus.PAUSING):
-        Run.objects.filter(pk=run_id).update(state={k: v for k, v in run.state.items() if k != "train_claim"})
+        pipeline.release_train_claim(run_id)
         return f"run is {run.status}"
     groups = pipeline.claim_train_batch(run, step, limits.batch_groups, limits.max_staleness)
     if not groups:
-        Run.objects.filter(pk=run_id).update(state={k: v for k, v in run.state.items() if k != "train_claim"})
+        pipeline.release_train_claim(run_id)
         advance_run.delay(run_id)
         return "nothing ready"
     a = spec.algorithm
@@ -82,7 +82,7 @@ def train_step(run_id: int, step: int) -> str:
     last_step_at = run.state.get("last_step_at")
     now = time.time()
     m = metrics.as_dict()
-    version = pipeline.finish_train_step(run, step, groups, version_path=out,
+    version = pipeline.finish_train_step(run, step, groups, version_path=out, finished_at=now,
                                          metrics={k: v for k, v in m.items() if isinstance(v, (int, float, bool))})
     points = [Point(name, step, float(m[name])) for name in (
         "loss", "clip_fraction", "kl", "entropy", "grad_norm", "iw_mean", "iw_max", "tokens_trained", "reward_mean")]
@@ -99,7 +99,6 @@ def train_step(run_id: int, step: int) -> str:
                             domain_id=domain_id))
     if last_step_at:
         points.append(Point("gpu_busy", step, min(1.0, busy / max(1e-9, now - last_step_at))))
-    Run.objects.filter(pk=run_id).update(state={**Run.objects.get(pk=run_id).state, "last_step_at": now})
     emit(run_id, points)
     if metrics.collapsed:
         services.record_event(run_id, "alert.collapse", f"training collapsed at step {step}: {metrics.collapse_reason}",

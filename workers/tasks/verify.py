@@ -4,32 +4,20 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, cast
+from typing import Any
 
 from workers.celery import app
 
 log = logging.getLogger(__name__)
-_VERIFIERS: dict[tuple[int, str], Any] = {}
-
-
-def _built(verifier_row: Any) -> Any:
-    from workers.verifiers.base import build_verifier
-
-    key = (verifier_row.pk, verifier_row.updated_at.isoformat())
-    if key not in _VERIFIERS:
-        _VERIFIERS[key] = build_verifier(verifier_row.kind, verifier_row.config)
-    return _VERIFIERS[key]
-
-
 def judge(verifier_row: Any, prompt: str, completion: str, reference: Any) -> Any:
     """One verdict. A verifier that crashes gives ``invalid`` with the reason, never a score of 0."""
-    from workers.verifiers.base import JudgeInput, invalid
+    from workers.verifiers.base import JudgeInput, get_verifier, invalid
 
     if verifier_row is None:
         return invalid("the domain has no verifier")
     started = time.monotonic()
     try:
-        return _built(verifier_row).judge(JudgeInput(prompt=prompt, completion=completion, reference=reference))
+        return get_verifier(verifier_row.kind, verifier_row.config).judge(JudgeInput(prompt=prompt, completion=completion, reference=reference))
     except Exception as exc:
         return invalid(f"verifier crashed: {type(exc).__name__}: {exc}").with_latency(
             (time.monotonic() - started) * 1000)
@@ -72,28 +60,12 @@ def verify_group(group_id: int) -> str:
 def calibrate_verifier(report_id: int) -> str:
     """Run the calibration of a pending report. Idempotent: a report already claimed is left alone."""
     from webapp.catalog.models import CalibrationReport
-    from webapp.catalog.services import do_record_calibration
-    from workers.verifiers.base import JudgeInput, build_verifier
-    from workers.verifiers.calibration import CalibrationCase, calibrate
+    from webapp.catalog.services import do_run_calibration
 
     claimed = CalibrationReport.objects.filter(
         pk=report_id, status=CalibrationReport.Status.PENDING
     ).update(status=CalibrationReport.Status.RUNNING)
     if not claimed:
         return "already claimed"
-    report = CalibrationReport.objects.select_related("verifier").get(pk=report_id)
-    verifier_row = report.verifier
-    try:
-        verifier = build_verifier(verifier_row.kind, verifier_row.config)
-        cases = [
-            CalibrationCase(input=JudgeInput(prompt=c.prompt, completion=c.completion, reference=c.reference),
-                            expected=cast(Any, c.expected), label=cast(Any, c.label))
-            for c in verifier_row.calibration_cases.all()
-        ]
-        outcome = calibrate(cast(Any, verifier), cases)
-    except Exception as exc:  # a broken verifier is reported on its calibration, not lost in a log
-        log.exception("calibration %s failed", report_id)
-        do_record_calibration(report, passed=None, summary={}, error=f"{type(exc).__name__}: {exc}")
-        return "error"
-    do_record_calibration(report, passed=outcome.passed, summary=outcome.to_dict())
-    return "passed" if outcome.passed else "failed"
+    report = do_run_calibration(CalibrationReport.objects.select_related("verifier").get(pk=report_id))
+    return "error" if report.error else ("passed" if report.passed else "failed")

@@ -15,7 +15,7 @@ from django.core.management.base import BaseCommand
 from tqdm import tqdm
 
 from webapp.catalog.models import BaseModel, CalibrationCase, CalibrationReport, TaskDomain, Verifier
-from webapp.catalog.services import do_import_tasks, do_record_calibration
+from webapp.catalog.services import do_import_tasks, do_run_calibration
 from webapp.runs.models import Run
 from webapp.runs.services import DomainWeight, do_create_run, do_start_run
 
@@ -61,9 +61,6 @@ class Command(BaseCommand):
 
     def handle(self, *args: Any, **opts: Any) -> None:
         from workers.policy.demo_model import DOMAINS, _split_pool
-        from workers.verifiers.base import JudgeInput, build_verifier
-        from workers.verifiers.calibration import CalibrationCase as Case
-        from workers.verifiers.calibration import calibrate
 
         User = get_user_model()
         owner, _ = User.objects.get_or_create(username=opts["user"], defaults={"is_staff": True, "is_superuser": True})
@@ -83,14 +80,10 @@ class Command(BaseCommand):
             CalibrationCase.objects.bulk_create(
                 [CalibrationCase(verifier=verifier, **c) for d in DOMAINS for c in calibration_cases(d)])
         if not verifier.calibrated:
-            report = CalibrationReport.objects.create(verifier=verifier, status=CalibrationReport.Status.RUNNING)
-            judged = calibrate(build_verifier(verifier.kind, verifier.config), [
-                Case(input=JudgeInput(prompt=c.prompt, completion=c.completion, reference=c.reference),
-                     expected=c.expected, label=c.label)  # type: ignore[arg-type]
-                for c in verifier.calibration_cases.all()])
-            do_record_calibration(report, passed=judged.passed, summary=judged.to_dict())
+            report = do_run_calibration(
+                CalibrationReport.objects.create(verifier=verifier, status=CalibrationReport.Status.RUNNING))
             verifier.refresh_from_db()
-            self.stdout.write(f"calibrated {verifier.name}: {judged.summary_line()}")
+            self.stdout.write(f"calibrated {verifier.name}: {verifier.calibration_status} {report.error}".rstrip())
         domains = {}
         for name in DOMAINS:
             domain, created = TaskDomain.objects.get_or_create(
