@@ -35,6 +35,7 @@ run: $(VENV)/.run-installed
 system-deps:
 	@missing=""; \
 	command -v unshare >/dev/null || missing="$$missing util-linux"; \
+	test -x /usr/bin/chromium || missing="$$missing chromium"; \
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ]; then echo "apt-get install$$missing"; \
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \

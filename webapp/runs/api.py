@@ -270,6 +270,8 @@ class MetricsQuery(serializers.Serializer):
     domain = serializers.IntegerField(required=False)
     since_seq = serializers.IntegerField(required=False, min_value=0)
     max_points = serializers.IntegerField(required=False, min_value=2, max_value=100_000)
+    step_min = serializers.IntegerField(required=False)
+    step_max = serializers.IntegerField(required=False)
 
 
 class MetricsViewSet(viewsets.ViewSet):
@@ -282,6 +284,8 @@ class MetricsViewSet(viewsets.ViewSet):
             OpenApiParameter("domain", int),
             OpenApiParameter("since_seq", int, description="Only points with a larger sequence number (backfill)"),
             OpenApiParameter("max_points", int, description="Downsample each series to about this many points"),
+            OpenApiParameter("step_min", int, description="Only steps ≥ this (a zoomed chart's window)"),
+            OpenApiParameter("step_max", int, description="Only steps ≤ this"),
         ],
         responses={200: inline_serializer("MetricSeries", {
             "last_seq": serializers.IntegerField(),
@@ -290,7 +294,7 @@ class MetricsViewSet(viewsets.ViewSet):
     )
     def list(self, request: Request) -> Response:
         params = request.query_params
-        query = MetricsQuery(data={**{k: params.get(k) for k in ("run", "domain", "since_seq", "max_points")
+        query = MetricsQuery(data={**{k: params.get(k) for k in ("run", "domain", "since_seq", "max_points", "step_min", "step_max")
                                       if params.get(k) not in (None, "")},
                                    "name": params.getlist("name")})
         query.is_valid(raise_exception=True)
@@ -299,7 +303,8 @@ class MetricsViewSet(viewsets.ViewSet):
         if not runs.filter(pk=q["run"]).exists():
             return Response({"detail": "No such run."}, status=status.HTTP_404_NOT_FOUND)
         return Response(metric_store.series(q["run"], names=q.get("name") or None, domain_id=q.get("domain"),
-                                            since_seq=q.get("since_seq"), max_points=q.get("max_points")))
+                                            since_seq=q.get("since_seq"), max_points=q.get("max_points"),
+                                            step_min=q.get("step_min"), step_max=q.get("step_max")))
 
 
 router.register("runs", RunViewSet)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from django.db import transaction
+from django.db import connection, transaction
 from django.db.models import Count, F, FloatField, IntegerField, Max, Min, Q
 from django.db.models.functions import Cast, Floor
 from django.utils import timezone
@@ -50,15 +50,21 @@ def record_points(run_id: int, points: Sequence[Point]) -> list[MetricPoint]:
 def series(
     run_id: int, *, names: Sequence[str] | None = None, domain_id: int | None = None,
     since_seq: int | None = None, max_points: int | None = None,
+    step_min: int | None = None, step_max: int | None = None,
 ) -> dict[str, Any]:
     """Series of a run as ``{"series": [{"name", "domain", "points": [[step, value, seq], ...]}], "last_seq"}``.
 
     With ``since_seq`` only newer points come back (raw: a backfill must not lose any). With
     ``max_points`` a longer series is reduced in the database to about that many points: per bucket of
     steps its min (drawn at the bucket's first step) and its max (at its last step); such a series
-    carries ``"downsampled": true``.
+    carries ``"downsampled": true``. ``step_min``/``step_max`` bound the steps (inclusive): a zoomed chart
+    asks for its window again and gets finer points.
     """
     qs = MetricPoint.objects.filter(run_id=run_id)
+    if step_min is not None:
+        qs = qs.filter(step__gte=step_min)
+    if step_max is not None:
+        qs = qs.filter(step__lte=step_max)
     if names:
         qs = qs.filter(name__in=names)
     if domain_id is not None:
@@ -95,3 +101,18 @@ def series(
                 points.append([r["s_hi"], r["v_hi"], r["seq"]])
         result.append({"name": s["name"], "domain": s["domain_id"], "points": points, "downsampled": True})
     return {"series": result, "last_seq": last_seq}
+
+
+def series_names(run_id: int) -> list[str]:
+    """The distinct metric names of a run, by a loose index scan: one index probe per name, not a full scan."""
+    table = MetricPoint._meta.db_table
+    sql = (
+        f"WITH RECURSIVE t(name) AS ("
+        f" SELECT MIN(name) FROM {table} WHERE run_id = %s"
+        f" UNION ALL"
+        f" SELECT (SELECT MIN(name) FROM {table} WHERE run_id = %s AND name > t.name) FROM t WHERE t.name IS NOT NULL"
+        f") SELECT name FROM t WHERE name IS NOT NULL"
+    )
+    with connection.cursor() as cursor:
+        cursor.execute(sql, [run_id, run_id])
+        return [row[0] for row in cursor.fetchall()]

@@ -1,18 +1,337 @@
-"""Server-rendered pages."""
+"""Server-rendered pages: runs (list, new, live page, comparison), trajectories, and the catalog.
+
+Every page is a thin reader over the models and the same services the API calls; state changes go
+through those services (never a direct ``save()``), so a page and an API call behave alike. Charts get
+their data from ``/api/v1/metrics/`` and the run's websocket (``static/temper/charts.js``).
+"""
 
 from __future__ import annotations
 
-from django.http import HttpRequest, HttpResponse
-from django.shortcuts import render
+import json
+from typing import Any
 
-from webapp.catalog.models import TaskDomain, Verifier
-from webapp.runs.models import Run
+from django.contrib import messages
+from django.core.paginator import Paginator
+from django.db.models import Count, Q, QuerySet
+from django.http import Http404, HttpRequest, HttpResponse
+from django.shortcuts import get_object_or_404, redirect, render
+from django.urls import reverse
+from django.utils.http import url_has_allowed_host_and_scheme
+from django.views.decorators.cache import never_cache
+from django.views.decorators.http import require_POST
+
+from webapp.catalog.models import BaseModel, TaskDomain
+from webapp.common.errors import TemperError, ValidationFailed
+from webapp.runs import metrics as metric_store
+from webapp.runs import services
+from webapp.runs.models import (
+    Alias,
+    AliasEvent,
+    MetricPoint,
+    PolicyVersion,
+    PromptGroup,
+    Run,
+    RunStatus,
+    Trajectory,
+    Verdict,
+)
+from webapp.ui.charts import CHARTS, COMPARE_METRICS, sparkline_svg
+from webapp.ui.forms import RunForm
+
+RUNS_PER_PAGE = 50
+TRAJECTORIES_PER_PAGE = 50
+CONTROLS = (("start", "Start"), ("pause", "Pause"), ("resume", "Resume"), ("cancel", "Cancel"))
+SORTS = {"newest": "-id", "oldest": "id", "name": "name", "step": "-step", "status": "status"}
 
 
-def home(request: HttpRequest) -> HttpResponse:
-    runs = Run.objects.visible_to(request.user).select_related("base_model")[:50]
-    return render(request, "ui/home.html", {
-        "runs": runs,
-        "domains": TaskDomain.objects.visible_to(request.user)[:50],
-        "verifiers": Verifier.objects.visible_to(request.user)[:50],
+def _visible_runs(request: HttpRequest) -> QuerySet[Run]:
+    return Run.objects.visible_to(request.user)
+
+
+def _run_or_404(request: HttpRequest, run_id: int) -> Run:
+    return get_object_or_404(_visible_runs(request).select_related("base_model"), pk=run_id)
+
+
+# --- runs -------------------------------------------------------------------------------------
+
+
+def runs_list(request: HttpRequest) -> HttpResponse:
+    """Runs with status, step, a reward sparkline and throughput; filter by status, search by name, sort."""
+    qs = _visible_runs(request).select_related("base_model")
+    status = request.GET.get("status", "")
+    if status in RunStatus.values:
+        qs = qs.filter(status=status)
+    if q := request.GET.get("q", "").strip():
+        qs = qs.filter(Q(name__icontains=q) | Q(description__icontains=q) | Q(pk=int(q)) if q.isdigit()
+                       else Q(name__icontains=q) | Q(description__icontains=q))
+    sort = request.GET.get("sort", "newest")
+    qs = qs.order_by(SORTS.get(sort, "-id"), "-id")
+    page = Paginator(qs, RUNS_PER_PAGE).get_page(request.GET.get("page"))
+    runs = list(page.object_list)
+    rows = [{"run": run, **_run_summary(run)} for run in runs]
+    return render(request, "ui/runs_list.html", {
+        "page": page, "rows": rows, "status": status, "q": q, "sort": sort,
+        "statuses": RunStatus.values, "sorts": list(SORTS),
     })
+
+
+def _run_summary(run: Run) -> dict[str, Any]:
+    """The list's per-run figures: the last 40 points of overall reward and the latest throughput.
+
+    Each is one probe of the (run, name, domain, step) index, so a page costs ~100 small queries at most,
+    whatever the number of runs or points.
+    """
+    if run.metric_seq == 0:
+        return {"spark": "", "reward": None, "throughput": None}
+    rewards = list(
+        MetricPoint.objects.filter(run=run, name="reward_mean", domain__isnull=True)
+        .order_by("-step").values_list("value", flat=True)[:40]
+    )[::-1]
+    throughput = (
+        MetricPoint.objects.filter(run=run, name="trajectories_per_s", domain__isnull=True)
+        .order_by("-step").values_list("value", flat=True).first()
+    )
+    return {"spark": sparkline_svg(rewards), "reward": rewards[-1] if rewards else None, "throughput": throughput}
+
+
+def run_new(request: HttpRequest) -> HttpResponse:
+    """Create (and by default start) a run: base model, weighted domains, and every RunSpec setting."""
+    domains = list(TaskDomain.objects.visible_to(request.user).select_related("verifier").order_by("name"))
+    chosen: dict[int, dict[str, str]] = {}
+    domain_error = ""
+    form = RunForm(request.POST or None, user=request.user)
+    if request.method == "POST":
+        for d in domains:
+            if request.POST.get(f"domain_{d.pk}"):
+                chosen[d.pk] = {"weight": request.POST.get(f"weight_{d.pk}", "1") or "1",
+                                "priority": request.POST.get(f"priority_{d.pk}", "0") or "0"}
+        if not chosen:
+            domain_error = "a run needs at least one domain: tick one or more below"
+        if form.is_valid():
+            try:
+                services.check_run_spec(form.spec())  # every spec error at once, beside the domains' errors
+            except ValidationFailed as exc:
+                form.add_spec_errors({k: v for k, v in (exc.details or {}).items() if isinstance(v, list)})
+        if form.is_valid() and not domain_error:
+            try:
+                weights = _domain_weights(domains, chosen)
+                run = services.do_create_run(
+                    request.user, name=form.cleaned_data["name"], base_model=form.cleaned_data["base_model"],
+                    domains=weights, engine=form.cleaned_data["engine"], spec=form.spec(),
+                    description=form.cleaned_data["description"],
+                )
+            except ValidationFailed as exc:
+                details = dict(exc.details or {})
+                domain_error = "; ".join(details.pop("domains", [])) or ("" if details else exc.message)
+                form.add_spec_errors({k: v for k, v in details.items() if isinstance(v, list)})
+            else:
+                if form.cleaned_data["start_now"]:
+                    try:
+                        services.do_start_run(run, actor=request.user, force=form.cleaned_data["force"])
+                    except TemperError as exc:
+                        messages.error(request, f"The run was created but not started: {exc.message}")
+                return redirect("run", run_id=run.pk)
+    rows = [{"domain": d, "checked": d.pk in chosen, "weight": chosen.get(d.pk, {}).get("weight", "1"),
+             "priority": chosen.get(d.pk, {}).get("priority", "0")} for d in domains]
+    return render(request, "ui/run_new.html", {"form": form, "rows": rows, "domain_error": domain_error})
+
+
+def _domain_weights(domains: list[TaskDomain], chosen: dict[int, dict[str, str]]) -> list[services.DomainWeight]:
+    by_id = {d.pk: d for d in domains}
+    out, problems = [], []
+    for pk, raw in chosen.items():
+        try:
+            out.append(services.DomainWeight(by_id[pk], float(raw["weight"]), int(raw["priority"])))
+        except ValueError:
+            problems.append(f"domain {by_id[pk].name!r}: weight must be a number and priority an integer")
+    if problems:
+        raise ValidationFailed("the domains are invalid", details={"domains": problems})
+    return out
+
+
+@never_cache  # the back button must not show a stale status or event log
+def run_detail(request: HttpRequest, run_id: int) -> HttpResponse:
+    run = _run_or_404(request, run_id)
+    run_domains = list(run.run_domains.select_related("domain__verifier"))
+    versions = list(run.versions.order_by("-number")[:50])
+    aliases = _current_aliases(run.base_model)
+    groups = _group_counts(run)
+    page_config = {
+        "run": run.pk,
+        "status": run.status,
+        "allowed": {action: sorted(services.TRANSITIONS[action][0]) for action, _ in CONTROLS},
+        "charts": CHARTS,
+        "domains": {str(rd.domain_id): rd.domain.name for rd in run_domains},
+        "names": metric_store.series_names(run.pk) if run.metric_seq else [],
+        "apiRun": f"/api/v1/runs/{run.pk}/",
+    }
+    return render(request, "ui/run_detail.html", {
+        "run": run, "run_domains": run_domains, "versions": [(v, aliases.get(v.pk, [])) for v in versions],
+        "controls": [(action, label, run.status in services.TRANSITIONS[action][0]) for action, label in CONTROLS],
+        "events": list(run.events.order_by("-id")[:200])[::-1], "groups": groups,
+        "spec_json": json.dumps(run.spec, indent=2, sort_keys=True), "page_config": page_config,
+    })
+
+
+def _current_aliases(base_model: BaseModel) -> dict[int, list[str]]:
+    """version id → the aliases that point at it now (the newest history row of each alias wins)."""
+    out: dict[int, list[str]] = {}
+    for alias in Alias.values:
+        version = services.current_alias(base_model, alias)
+        if version is not None:
+            out.setdefault(version.pk, []).append(alias)
+    return out
+
+
+def _group_counts(run: Run) -> dict[str, int]:
+    return {row["status"]: row["n"] for row in run.groups.values("status").annotate(n=Count("id")).order_by()}
+
+
+@require_POST
+def run_action(request: HttpRequest, run_id: str, action: str) -> HttpResponse:
+    """start / pause / resume / cancel from a plain form (the page's buttons work without JavaScript)."""
+    run = _run_or_404(request, int(run_id))
+    actions = {
+        "start": lambda: services.do_start_run(run, actor=request.user, force=bool(request.POST.get("force"))),
+        "pause": lambda: services.do_pause_run(run, actor=request.user),
+        "resume": lambda: services.do_resume_run(run, actor=request.user),
+        "cancel": lambda: services.do_cancel_run(run, actor=request.user),
+    }
+    if action not in actions:
+        raise Http404(f"no action {action!r}")
+    try:
+        actions[action]()
+    except TemperError as exc:
+        messages.error(request, exc.message)
+    return redirect("run", run_id=run.pk)
+
+
+def compare(request: HttpRequest) -> HttpResponse:
+    """Overlay runs on the same charts: pick runs (any number; 20+ stay readable) and metrics."""
+    visible = _visible_runs(request).select_related("base_model")
+    ids = [int(x) for x in request.GET.getlist("run") if x.isdigit()]
+    selected = list(visible.filter(pk__in=ids).order_by("id")) if ids else []
+    candidates = list(visible.order_by("-id")[:200])
+    metrics = [m for m in request.GET.getlist("metric") if m] or list(COMPARE_METRICS[:4])
+    return render(request, "ui/compare.html", {
+        "selected": selected, "candidates": candidates, "metrics": metrics, "all_metrics": COMPARE_METRICS,
+        "page_config": {"runs": [{"id": r.pk, "name": r.name} for r in selected], "metrics": metrics},
+    })
+
+
+# --- trajectories -----------------------------------------------------------------------------
+
+
+def trajectories(request: HttpRequest, run_id: int) -> HttpResponse:
+    """A run's trajectories, newest first, keyset-paginated by id, filtered by domain, verdict, reward, version."""
+    run = _run_or_404(request, run_id)
+    qs = Trajectory.objects.filter(run=run).defer(
+        "prompt_token_ids", "completion_token_ids", "behaviour_logprobs", "verifier_details", "sandbox"
+    ).select_related("domain")
+    f = request.GET
+    if (domain := f.get("domain", "")).isdigit():
+        qs = qs.filter(domain_id=int(domain))
+    if (verdict := f.get("verdict", "")) in Verdict.values:
+        qs = qs.filter(verdict=verdict)
+    if (version := f.get("version", "")).isdigit():
+        qs = qs.filter(version=int(version))
+    for key, lookup in (("reward_min", "reward__gte"), ("reward_max", "reward__lte")):
+        try:
+            if f.get(key, "") != "":
+                qs = qs.filter(**{lookup: float(f[key])})
+        except ValueError:
+            messages.error(request, f"{key.replace('_', ' ')} must be a number")
+    if (before := f.get("before", "")).isdigit():
+        qs = qs.filter(id__lt=int(before))
+    rows = list(qs.order_by("-id")[: TRAJECTORIES_PER_PAGE + 1])
+    more = len(rows) > TRAJECTORIES_PER_PAGE
+    rows = rows[:TRAJECTORIES_PER_PAGE]
+    query = f.copy()
+    query.pop("before", None)
+    return render(request, "ui/trajectories.html", {
+        "run": run, "rows": rows, "more": more, "next_before": rows[-1].pk if rows else None,
+        "filters": f, "base_query": query.urlencode(),
+        "domains": list(run.run_domains.select_related("domain")), "verdicts": Verdict.values,
+    })
+
+
+def group_detail(request: HttpRequest, run_id: int, key: str) -> HttpResponse:
+    """A prompt's group side by side: every sample, its verdict, reward and advantage."""
+    run = _run_or_404(request, run_id)
+    samples = list(Trajectory.objects.filter(run=run, group_key=key).order_by("sample_index"))
+    if not samples:
+        raise Http404("no such group")
+    group = PromptGroup.objects.filter(run=run, key=key).first()
+    return render(request, "ui/group.html", {"run": run, "samples": samples, "group": group, "key": key,
+                                             "prompt": samples[0].prompt})
+
+
+def trajectory_detail(request: HttpRequest, trajectory_id: int) -> HttpResponse:
+    trajectory = get_object_or_404(
+        Trajectory.objects.select_related("run", "domain", "task"), pk=trajectory_id,
+        run__in=_visible_runs(request),
+    )
+    siblings = list(
+        Trajectory.objects.filter(run=trajectory.run, group_key=trajectory.group_key)
+        .exclude(pk=trajectory.pk).order_by("sample_index").values("id", "sample_index", "verdict", "reward")
+    )
+    return render(request, "ui/trajectory.html", {
+        "t": trajectory, "run": trajectory.run, "siblings": siblings,
+        "details_json": json.dumps(trajectory.verifier_details, indent=2, sort_keys=True, default=str),
+        "sandbox": trajectory.sandbox or {},
+        "reference_json": json.dumps(trajectory.task.reference if trajectory.task else None, indent=2, default=str),
+    })
+
+
+def _next(request: HttpRequest) -> str:
+    target = request.POST.get("next", "")
+    if target and url_has_allowed_host_and_scheme(target, allowed_hosts={request.get_host()}):
+        return target
+    return reverse("versions")
+
+
+# --- policy versions --------------------------------------------------------------------------
+
+
+def versions(request: HttpRequest) -> HttpResponse:
+    """Policy versions per base model, with their aliases, the alias history, promote and roll back."""
+    base_models = list(BaseModel.objects.visible_to(request.user).order_by("name"))
+    sections = []
+    for bm in base_models:
+        history = list(AliasEvent.objects.filter(base_model=bm).select_related("version__run", "previous_version", "actor").order_by("-id")[:100])
+        current = {alias: services.current_alias(bm, alias) for alias in Alias.values}
+        vs = list(PolicyVersion.objects.filter(run__base_model=bm, run__in=_visible_runs(request))
+                  .select_related("run").order_by("-created_at")[:100])
+        by_version: dict[int, list[str]] = {}
+        for alias, v in current.items():
+            if v is not None:
+                by_version.setdefault(v.pk, []).append(alias)
+        sections.append({"base_model": bm, "current": current, "history": history,
+                         "versions": [(v, by_version.get(v.pk, [])) for v in vs]})
+    return render(request, "ui/versions.html", {"sections": sections,
+                                                 "aliases": [a for a in Alias.values if a != Alias.PREVIOUS]})
+
+
+@require_POST
+def version_promote(request: HttpRequest, version_id: int) -> HttpResponse:
+    version = get_object_or_404(PolicyVersion.objects.select_related("run__base_model"), pk=version_id,
+                                run__in=_visible_runs(request))
+    try:
+        services.do_promote_version(version, request.POST.get("alias", Alias.PRODUCTION), actor=request.user,
+                                    reason=request.POST.get("reason", ""))
+        messages.success(request, f"{request.POST.get('alias', 'production')} → {version}")
+    except TemperError as exc:
+        messages.error(request, exc.message)
+    return redirect(_next(request))
+
+
+@require_POST
+def alias_rollback(request: HttpRequest, base_model_id: int) -> HttpResponse:
+    bm = get_object_or_404(BaseModel.objects.visible_to(request.user), pk=base_model_id)
+    try:
+        event = services.do_rollback_alias(bm, request.POST.get("alias", Alias.PRODUCTION), actor=request.user,
+                                           reason=request.POST.get("reason", ""))
+        messages.success(request, f"{event.alias} rolled back to {event.version}")
+    except TemperError as exc:
+        messages.error(request, exc.message)
+    return redirect(_next(request))

@@ -1,0 +1,276 @@
+/* Temper charts: series from /api/v1/metrics/, live points over the run's websocket, no point lost.
+ *
+ * - Each chart loads its own series, downsampled on the server to ~1,000 points (min and max per bucket,
+ *   so spikes survive); zooming asks the server for the window again, finer.
+ * - LiveStream tracks sequence numbers: a point is applied once; a gap that stays open, or a reconnect,
+ *   backfills over ?since_seq= so nothing is lost and nothing is drawn twice.
+ * - Redraws are batched (at most ~4 a second) and keep zoom, pan and legend selection (uirevision).
+ * - Smoothing is a debiased exponential moving average, applied at draw time; raw points are kept.
+ */
+(function (global) {
+  "use strict";
+
+  const MAX_POINTS = 1000;
+  const REDRAW_MS = 250;
+  const COLORS = ["#2f6fed", "#e4572e", "#17a398", "#f3a712", "#8e44ad", "#4c5760", "#d7263d", "#1b998b",
+                  "#2e86ab", "#a23b72", "#3b1f2b", "#6a994e"];
+
+  function ema(ys, alpha) {
+    if (!alpha) return ys;
+    const out = new Array(ys.length);
+    let acc = 0, n = 0;
+    for (let i = 0; i < ys.length; i++) {
+      const y = ys[i];
+      if (!Number.isFinite(y)) { out[i] = y; continue; }
+      acc = acc * alpha + (1 - alpha) * y;
+      n += 1;
+      out[i] = acc / (1 - Math.pow(alpha, n));
+    }
+    return out;
+  }
+
+  function metricsUrl(runId, names, extra) {
+    const q = new URLSearchParams({run: String(runId)});
+    names.forEach(n => q.append("name", n));
+    Object.entries(extra || {}).forEach(([k, v]) => { if (v !== undefined && v !== null) q.set(k, String(v)); });
+    return "/api/v1/metrics/?" + q.toString();
+  }
+
+  async function getJSON(url) {
+    const r = await fetch(url, {credentials: "same-origin", headers: {Accept: "application/json"}});
+    if (!r.ok) throw new Error(url + " answered " + r.status);
+    return r.json();
+  }
+
+  /** One plotly chart of one or more series (a series = a metric name and a domain). */
+  class Chart {
+    constructor(el, def, opts) {
+      this.el = el;
+      this.def = def;
+      this.opts = opts;            // {runId, label(name, domain), smoothing(), paused(), names: [...]}
+      this.series = new Map();     // key -> {name, domain, x: [], y: [], label}
+      this.loadedSeq = -1;         // points with seq <= loadedSeq are in the loaded data
+      this.loading = null;         // while a load runs, live points wait here
+      this.dirty = false;
+      this.timer = null;
+      this.drawn = false;
+      this.maxSeq = 0;
+      this.window = null;          // [lo, hi] steps when zoomed
+      this.onDrawn = opts.onDrawn || (() => {});
+    }
+
+    matches(name) {
+      const d = this.def;
+      if (d.names.includes(name)) return true;
+      if ((d.prefixes || []).some(p => name.startsWith(p))) return true;
+      return Boolean(d.other && this.opts.isOther(name));
+    }
+
+    wantedNames() {
+      const d = this.def;
+      const known = this.opts.names.filter(n => this.matches(n));
+      return Array.from(new Set(d.names.concat(known)));
+    }
+
+    key(name, domain) { return name + "|" + (domain === null || domain === undefined ? "" : domain); }
+
+    ensure(name, domain) {
+      const k = this.key(name, domain);
+      let s = this.series.get(k);
+      if (!s) {
+        s = {name: name, domain: domain, x: [], y: [], label: this.opts.label(name, domain)};
+        this.series.set(k, s);
+      }
+      return s;
+    }
+
+    /** Load (or reload, after a zoom) this chart's series from the server. */
+    async load(range) {
+      const names = this.wantedNames();
+      if (!names.length) { this.loadedSeq = Math.max(this.loadedSeq, 0); return; }
+      this.loading = [];
+      const extra = {max_points: MAX_POINTS};
+      if (range) { extra.step_min = Math.floor(range[0]); extra.step_max = Math.ceil(range[1]); }
+      let data;
+      try {
+        data = await getJSON(metricsUrl(this.opts.runId, names, extra));
+      } catch (err) {
+        this.loading = null;
+        throw err;
+      }
+      const waiting = this.loading;
+      this.loading = null;
+      for (const s of data.series) {
+        const series = this.ensure(s.name, s.domain);
+        const xs = s.points.map(p => p[0]), ys = s.points.map(p => p[1]);
+        if (range) {
+          // replace the window, keep what lies outside it
+          const keepX = [], keepY = [];
+          series.x.forEach((x, i) => { if (x < extra.step_min || x > extra.step_max) { keepX.push(x); keepY.push(series.y[i]); } });
+          const merged = keepX.map((x, i) => [x, keepY[i]]).concat(xs.map((x, i) => [x, ys[i]])).sort((a, b) => a[0] - b[0]);
+          series.x = merged.map(p => p[0]);
+          series.y = merged.map(p => p[1]);
+        } else {
+          series.x = xs;
+          series.y = ys;
+        }
+        s.points.forEach(p => { if (p[2] > this.maxSeq) this.maxSeq = p[2]; });
+      }
+      this.loadedSeq = Math.max(this.loadedSeq, data.last_seq);
+      for (const p of waiting) this.add(p);
+      this.touch();
+      return data.last_seq;
+    }
+
+    /** A live point [name, domain, step, value, seq]. */
+    add(p) {
+      if (this.loading) { this.loading.push(p); return; }
+      if (p[4] <= this.loadedSeq) return;
+      const s = this.ensure(p[0], p[1]);
+      const step = p[2], value = p[3];
+      const n = s.x.length;
+      if (n === 0 || s.x[n - 1] <= step) { s.x.push(step); s.y.push(value); }
+      else {  // out of order: insert where it belongs
+        let lo = 0, hi = n;
+        while (lo < hi) { const mid = (lo + hi) >> 1; if (s.x[mid] <= step) lo = mid + 1; else hi = mid; }
+        s.x.splice(lo, 0, step); s.y.splice(lo, 0, value);
+      }
+      if (p[4] > this.maxSeq) this.maxSeq = p[4];
+      this.touch();
+    }
+
+    touch() {
+      this.dirty = true;
+      if (this.timer || this.opts.paused()) return;
+      this.timer = setTimeout(() => { this.timer = null; this.draw(); }, this.drawn ? REDRAW_MS : 0);
+    }
+
+    points() { let n = 0; this.series.forEach(s => { n += s.x.length; }); return n; }
+
+    draw() {
+      if (!this.dirty || this.opts.paused()) return;
+      this.dirty = false;
+      const alpha = this.opts.smoothing();
+      const traces = [];
+      let i = 0;
+      const keys = Array.from(this.series.keys()).sort();
+      for (const k of keys) {
+        const s = this.series.get(k);
+        traces.push({
+          type: "scatter", mode: s.x.length > 200 ? "lines" : "lines+markers", name: s.label,
+          x: s.x, y: ema(s.y, alpha), line: {width: 1.6, color: COLORS[i % COLORS.length]},
+          marker: {size: 3}, hovertemplate: "step %{x}<br>%{y:.4g}<extra>" + s.label + "</extra>",
+        });
+        i += 1;
+      }
+      if (!traces.length) return;
+      const d = this.def;
+      const layout = {
+        uirevision: "keep", height: 260, margin: {l: 48, r: 10, t: 8, b: 32},
+        xaxis: {title: {text: "step"}, zeroline: false},
+        yaxis: {title: {text: d.y || ""}, type: d.log ? "log" : "linear", range: d.range || undefined,
+                autorange: d.range ? false : true, zeroline: false},
+        legend: {orientation: "h", y: -0.25, font: {size: 10}}, showlegend: traces.length > 1,
+        paper_bgcolor: "#fff", plot_bgcolor: "#fff",
+      };
+      const empty = this.el.querySelector(".chart-empty");
+      if (empty) empty.remove();
+      const card = this.el.closest(".chart-card");
+      if (card) card.hidden = false;
+      const seq = this.maxSeq;
+      const first = !this.drawn;
+      this.drawn = true;
+      global.Plotly.react(this.el, traces, layout, {displaylogo: false, responsive: true}).then(() => {
+        this.el.dataset.points = String(this.points());
+        this.el.dataset.seq = String(seq);
+        this.onDrawn(this, seq, first);
+      });
+      if (first) this.el.on("plotly_relayout", ev => this.relayout(ev));
+    }
+
+    relayout(ev) {
+      if (ev["xaxis.autorange"]) { this.window = null; this.load(null).catch(console.error); return; }
+      const lo = ev["xaxis.range[0]"], hi = ev["xaxis.range[1]"];
+      if (lo === undefined || hi === undefined) return;
+      this.window = [lo, hi];
+      this.load([lo, hi]).catch(console.error);
+    }
+  }
+
+  /** The run's websocket with sequence tracking, gap backfill and reconnect. */
+  class LiveStream {
+    constructor(runId, handlers) {
+      this.runId = runId;
+      this.h = handlers;           // {points(list), message(msg), state(text)}
+      this.contiguous = null;      // every seq <= contiguous has been applied
+      this.applied = new Set();    // applied seqs above contiguous
+      this.gapTimer = null;
+      this.retry = 0;
+      this.closed = false;
+      this.backfilling = false;
+    }
+
+    start(fromSeq) { this.contiguous = fromSeq; this.connect(); }
+
+    connect() {
+      const proto = location.protocol === "https:" ? "wss" : "ws";
+      const ws = new WebSocket(proto + "://" + location.host + "/ws/runs/" + this.runId + "/");
+      this.ws = ws;
+      ws.onopen = () => { this.retry = 0; this.h.state("live"); this.backfill(); };
+      ws.onmessage = ev => {
+        let msg;
+        try { msg = JSON.parse(ev.data); } catch (e) { return; }
+        if (msg.type === "metrics") this.take(msg.points || []);
+        this.h.message(msg);
+      };
+      ws.onclose = ev => {
+        if (this.closed) return;
+        if (ev.code === 4403) { this.h.state("refused"); return; }
+        this.h.state("reconnecting");
+        const wait = Math.min(10000, 500 * Math.pow(2, this.retry++));
+        setTimeout(() => this.connect(), wait);
+      };
+    }
+
+    take(points) {
+      const fresh = [];
+      for (const p of points) {
+        const seq = p[4];
+        if (seq <= this.contiguous || this.applied.has(seq)) continue;
+        this.applied.add(seq);
+        fresh.push(p);
+      }
+      while (this.applied.has(this.contiguous + 1)) { this.applied.delete(this.contiguous + 1); this.contiguous += 1; }
+      if (fresh.length) this.h.points(fresh);
+      if (this.applied.size && !this.gapTimer) {
+        // a message was lost or is late: give it a moment, then fetch what is missing
+        this.gapTimer = setTimeout(() => { this.gapTimer = null; if (this.applied.size) this.backfill(); }, 1000);
+      }
+    }
+
+    async backfill() {
+      if (this.backfilling || this.contiguous === null) return;
+      this.backfilling = true;
+      try {
+        const data = await getJSON(metricsUrl(this.runId, [], {since_seq: this.contiguous}));
+        const points = [];
+        for (const s of data.series) for (const p of s.points) points.push([s.name, s.domain, p[0], p[1], p[2]]);
+        points.sort((a, b) => a[4] - b[4]);
+        this.take(points);
+        if (data.last_seq > this.contiguous) {
+          for (const seq of Array.from(this.applied)) if (seq <= data.last_seq) this.applied.delete(seq);
+          this.contiguous = data.last_seq;
+        }
+      } catch (err) {
+        console.warn("backfill failed", err);
+      } finally {
+        this.backfilling = false;
+      }
+    }
+
+    stop() { this.closed = true; if (this.ws) this.ws.close(); }
+  }
+
+  global.TemperCharts = {Chart: Chart, LiveStream: LiveStream, ema: ema, getJSON: getJSON, metricsUrl: metricsUrl,
+                         COLORS: COLORS, MAX_POINTS: MAX_POINTS};
+})(window);

@@ -1,0 +1,137 @@
+/* The run page: charts fed by LiveStream, status and controls, and the event log. */
+(function () {
+  "use strict";
+  const cfg = JSON.parse(document.getElementById("page-config").textContent);
+  const {Chart, LiveStream, getJSON} = window.TemperCharts;
+  const runId = cfg.run;
+  const smoothingInput = document.getElementById("smoothing");
+  const smoothingValue = document.getElementById("smoothing-value");
+  const pauseLive = document.getElementById("pause-live");
+  const live = document.getElementById("live-indicator");
+  const claimed = new Set();
+  cfg.charts.filter(d => !d.other).forEach(d => d.names.forEach(n => claimed.add(n)));
+  const prefixes = cfg.charts.flatMap(d => d.prefixes || []);
+  const isOther = name => !claimed.has(name) && !prefixes.some(p => name.startsWith(p));
+
+  // Timestamps of drawn points, for bench/streaming.py (seq -> wall-clock ms when it was on screen).
+  window.temperDrawn = [];
+  const label = (name, domain) =>
+    domain === null || domain === undefined ? name : name + " · " + (cfg.domains[String(domain)] || "domain " + domain);
+  const opts = {
+    runId: runId, names: cfg.names, label: label, isOther: isOther,
+    smoothing: () => Number(smoothingInput.value), paused: () => pauseLive.checked,
+    onDrawn: (chart, seq) => { window.temperDrawn.push({chart: chart.def.id, seq: seq, t: Date.now()}); },
+  };
+  const charts = cfg.charts.map(def => new Chart(document.getElementById("chart-" + def.id), def, opts));
+  window.temperCharts = charts;
+
+  const stream = new LiveStream(runId, {
+    points: points => { for (const p of points) for (const c of charts) if (c.matches(p[0])) c.add(p); },
+    message: onMessage,
+    state: text => { live.textContent = (text === "live" ? "● " : "○ ") + text; live.className = "live " + text; },
+  });
+
+  // Load the charts one after another (the first draws first), then go live from the lowest loaded seq;
+  // every chart ignores points it already has, so nothing is drawn twice.
+  (async function loadAll() {
+    let first = null;
+    for (const c of charts) {
+      try {
+        const seq = await c.load(null);
+        if (first === null && seq !== undefined) first = seq;
+        if (first === null) first = 0;
+        if (stream.contiguous === null) stream.start(first);
+      } catch (err) {
+        document.getElementById("chart-note").textContent = "could not load a chart: " + err.message;
+      }
+    }
+    if (stream.contiguous === null) stream.start(0);
+  })();
+
+  smoothingInput.addEventListener("input", () => {
+    smoothingValue.textContent = smoothingInput.value;
+    charts.forEach(c => { c.dirty = true; c.draw(); });
+  });
+  pauseLive.addEventListener("change", () => {
+    document.getElementById("chart-note").textContent = pauseLive.checked ? "live updates paused: new points wait" : "";
+    if (!pauseLive.checked) charts.forEach(c => c.touch());
+  });
+
+  // --- status, controls, events ---------------------------------------------------------------
+  const statusEl = document.getElementById("run-status");
+  const stepEl = document.getElementById("run-step");
+  const reasonEl = document.getElementById("run-reason");
+  const eventsEl = document.getElementById("events");
+  let lastEvent = Math.max(0, ...Array.from(eventsEl.querySelectorAll("li[data-id]")).map(li => Number(li.dataset.id)));
+
+  function showRun(run) {
+    statusEl.textContent = run.status;
+    statusEl.dataset.status = run.status;
+    statusEl.className = "status status-" + run.status;
+    stepEl.textContent = "step " + run.step + " · v" + run.latest_version;
+    reasonEl.hidden = !run.status_reason;
+    reasonEl.textContent = run.status_reason || "";
+    document.querySelectorAll("form.control").forEach(f => {
+      const allowed = cfg.allowed[f.dataset.action] || [];
+      f.querySelector("button").disabled = !allowed.includes(run.status);
+    });
+  }
+
+  function addEvent(e) {
+    if (e.id && e.id <= lastEvent) return;
+    if (e.id) lastEvent = e.id;
+    const empty = eventsEl.querySelector(".empty");
+    if (empty) empty.remove();
+    const li = document.createElement("li");
+    li.className = "ev-" + (e.level || "info");
+    if (e.id) li.dataset.id = e.id;
+    const t = document.createElement("time");
+    t.textContent = new Date(e.created_at || Date.now()).toLocaleTimeString([], {hour12: false});
+    const code = document.createElement("code");
+    code.textContent = e.kind;
+    li.append(t, " ", code, " ", e.message || "");
+    eventsEl.append(li);
+    if (eventsEl.children.length > 500) eventsEl.firstElementChild.remove();
+  }
+
+  function onMessage(msg) {
+    if (msg.event) addEvent(msg.event);
+    if (msg.type === "event" && msg.kind) addEvent(msg);
+    if (msg.type === "run" && msg.status) showRun(Object.assign({}, lastRun, msg));
+  }
+
+  let lastRun = {status: cfg.status, step: 0, latest_version: 0};
+  async function refresh() {
+    try {
+      lastRun = await getJSON(cfg.apiRun);
+      showRun(lastRun);
+      const events = await getJSON(cfg.apiRun + "events/?after=" + lastEvent);
+      events.forEach(addEvent);
+    } catch (err) { /* the next tick tries again */ }
+  }
+  setInterval(refresh, 2000);
+
+  function csrf(form) { return form.querySelector("input[name=csrfmiddlewaretoken]").value; }
+  document.querySelectorAll("form.control").forEach(form => {
+    form.addEventListener("submit", async ev => {
+      ev.preventDefault();
+      if (form.dataset.confirm && !window.confirm(form.dataset.confirm)) return;
+      const body = {};
+      const force = form.querySelector("input[name=force]");
+      if (force) body.force = force.checked;
+      const r = await fetch(cfg.apiRun + form.dataset.action + "/", {
+        method: "POST", credentials: "same-origin",
+        headers: {"Content-Type": "application/json", "X-CSRFToken": csrf(form), Accept: "application/json"},
+        body: JSON.stringify(body),
+      });
+      const data = await r.json().catch(() => ({}));
+      if (!r.ok) {
+        addEvent({kind: "refused", level: "error", message: data.detail || ("the server answered " + r.status)});
+        return;
+      }
+      lastRun = data;
+      showRun(data);
+      refresh();
+    });
+  });
+})();

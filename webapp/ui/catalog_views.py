@@ -1,0 +1,132 @@
+"""Pages of the catalog: domains (with JSONL upload), verifiers (calibration, dry run), base models."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from django.contrib import messages
+from django.db import IntegrityError
+from django.http import HttpRequest, HttpResponse
+from django.shortcuts import get_object_or_404, redirect, render
+from django.views.decorators.http import require_POST
+
+from webapp.catalog import services as catalog_services
+from webapp.catalog.models import BaseModel, CalibrationStatus, TaskDomain, Verifier
+from webapp.catalog.task_import import ROW_MODELS, ImportFailed
+from webapp.common.errors import TemperError
+from webapp.runs.models import Run
+from webapp.ui.forms import DomainForm, UploadForm, VerifierForm
+
+EXAMPLE_ROWS = {
+    "answer": '{"id": "add-1", "prompt": "2+3=", "answer": "5"}',
+    "code": '{"id": "sq", "prompt": "def square(x):", "tests": "assert square(3) == 9"}',
+}
+
+
+def _owner(request: HttpRequest) -> Any:
+    return request.user  # LoginRequiredMiddleware: always a real user here
+
+
+def domains_list(request: HttpRequest) -> HttpResponse:
+    domains = TaskDomain.objects.visible_to(request.user).select_related("verifier").order_by("name")
+    if q := request.GET.get("q", "").strip():
+        domains = domains.filter(name__icontains=q)
+    return render(request, "ui/domains.html", {"domains": domains[:1000], "q": q})
+
+
+def domain_new(request: HttpRequest) -> HttpResponse:
+    form = DomainForm(request.POST or None, user=request.user)
+    if request.method == "POST" and form.is_valid():
+        data = form.cleaned_data
+        try:
+            domain = TaskDomain.objects.create(
+                owner=_owner(request), name=data["name"], kind=data["kind"], description=data["description"],
+                verifier=data["verifier"], heldout_fraction=data["heldout_fraction"],
+            )
+        except IntegrityError:
+            form.add_error("name", "a domain with this name already exists")
+        else:
+            messages.success(request, f"Domain {domain.name!r} created: now upload its tasks.")
+            return redirect("domain", domain_id=domain.pk)
+    return render(request, "ui/domain_new.html", {"form": form})
+
+
+def domain_detail(request: HttpRequest, domain_id: int) -> HttpResponse:
+    """A domain, its newest tasks, and a JSONL upload that lists every bad row when it refuses a file."""
+    domain = get_object_or_404(TaskDomain.objects.visible_to(request.user).select_related("verifier"), pk=domain_id)
+    upload = UploadForm(request.POST or None, request.FILES or None)
+    import_errors: dict[str, Any] | None = None
+    if request.method == "POST" and upload.is_valid():
+        try:
+            result = catalog_services.do_import_tasks(domain, upload.cleaned_data["file"])
+        except ImportFailed as exc:
+            import_errors = {"message": exc.message, **exc.result.to_dict()}
+        else:
+            messages.success(request, f"Imported {result.imported} tasks ({result.heldout} held out).")
+            return redirect("domain", domain_id=domain.pk)
+    fields = sorted(ROW_MODELS[domain.kind].model_fields)
+    return render(request, "ui/domain.html", {
+        "domain": domain, "upload": upload, "import_errors": import_errors,
+        "tasks": domain.tasks.order_by("-id")[:20], "row_fields": fields,
+        "example": EXAMPLE_ROWS.get(domain.kind, ""),
+        "runs": Run.objects.visible_to(request.user).filter(domains=domain).order_by("-id")[:20],
+    })
+
+
+def verifiers_list(request: HttpRequest) -> HttpResponse:
+    verifiers = Verifier.objects.visible_to(request.user).order_by("name")
+    return render(request, "ui/verifiers.html", {"verifiers": verifiers[:1000]})
+
+
+def verifier_new(request: HttpRequest) -> HttpResponse:
+    from workers.verifiers.base import VerifierConfigError, build_verifier
+
+    form = VerifierForm(request.POST or None)
+    if request.method == "POST" and form.is_valid():
+        data = form.cleaned_data
+        try:
+            build_verifier(data["kind"], data["config"])
+        except VerifierConfigError as exc:
+            form.add_error("config", str(exc))
+        else:
+            if Verifier.objects.filter(owner=_owner(request), name=data["name"]).exists():
+                form.add_error("name", f"you already have a verifier named {data['name']!r}")
+            else:
+                verifier = Verifier.objects.create(owner=_owner(request), name=data["name"], kind=data["kind"],
+                                                   config=data["config"], description=data["description"])
+                return redirect("verifier", verifier_id=verifier.pk)
+    return render(request, "ui/verifier_new.html", {"form": form})
+
+
+def verifier_detail(request: HttpRequest, verifier_id: int) -> HttpResponse:
+    """Configuration, calibration cases and the latest reports (rates with intervals, latency), a dry-run box."""
+    verifier = get_object_or_404(Verifier.objects.visible_to(request.user), pk=verifier_id)
+    reports = list(verifier.calibration_reports.order_by("-id")[:5])
+    latest = reports[0] if reports else None
+    cases = list(verifier.calibration_cases.all()[:200])
+    example = "\n".join(json.dumps({"prompt": c.prompt, "completion": c.completion, "reference": c.reference})
+                        for c in cases[:3])
+    return render(request, "ui/verifier.html", {
+        "verifier": verifier, "config_json": json.dumps(verifier.config, indent=2, sort_keys=True),
+        "cases": cases, "reports": reports, "latest": latest, "dry_run_example": example,
+        "summary": (latest.summary if latest else {}) or {},
+        "domains": verifier.domains.all()[:50],
+        "calibrated": verifier.calibration_status == CalibrationStatus.PASSED,
+    })
+
+
+@require_POST
+def verifier_calibrate(request: HttpRequest, verifier_id: int) -> HttpResponse:
+    verifier = get_object_or_404(Verifier.objects.visible_to(request.user), pk=verifier_id)
+    try:
+        catalog_services.do_request_calibration(verifier, request.user)
+        messages.success(request, "Calibration queued on the verify workers; this page shows the report when done.")
+    except TemperError as exc:
+        messages.error(request, exc.message)
+    return redirect("verifier", verifier_id=verifier.pk)
+
+
+def base_models(request: HttpRequest) -> HttpResponse:
+    models = BaseModel.objects.visible_to(request.user).order_by("name")
+    return render(request, "ui/base_models.html", {"base_models": models})

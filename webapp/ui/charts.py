@@ -1,0 +1,51 @@
+"""What the run page draws: chart definitions (metric names per chart) and the runs list's sparklines.
+
+The definitions travel to the browser as JSON; ``static/temper/charts.js`` fetches each chart's series
+from ``/api/v1/metrics/`` (downsampled to ~1,000 points, min and max per bucket) and extends them live.
+A metric the definitions do not name still appears, in the "Other metrics" chart.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+CHARTS: list[dict[str, Any]] = [
+    {"id": "heldout", "title": "Held-out reward", "names": ["heldout_reward"], "y": "reward", "range": [0, 1]},
+    {"id": "reward", "title": "Train reward per domain", "names": ["reward", "reward_mean"], "y": "reward"},
+    {"id": "pass_rate", "title": "Pass rate per domain", "names": ["pass_rate"], "y": "pass rate", "range": [0, 1]},
+    {"id": "throughput", "title": "Throughput", "names": ["trajectories_per_s", "tokens_per_s"], "y": "per second",
+     "log": True},
+    {"id": "latency", "title": "Stage latencies", "names": ["generate_seconds", "train_seconds"], "y": "seconds"},
+    {"id": "verify_latency", "title": "Verify latency (p50/p95 per domain)",
+     "names": ["verify_latency_ms_p50", "verify_latency_ms_p95"], "y": "ms"},
+    {"id": "queues", "title": "Queue depths and in-flight work", "prefixes": ["queue_", "in_flight"], "names": [],
+     "y": "count"},
+    {"id": "gpu_busy", "title": "GPU-busy fraction", "names": ["gpu_busy"], "y": "fraction", "range": [0, 1.05]},
+    {"id": "staleness", "title": "Staleness (versions behind)", "names": ["staleness_mean", "staleness_max"],
+     "y": "versions"},
+    {"id": "trainer", "title": "Trainer: loss, KL, entropy, clip fraction, gradient norm",
+     "names": ["loss", "kl", "entropy", "clip_fraction", "grad_norm"], "y": "value"},
+    {"id": "quality", "title": "Invalid, zero-variance and truncated shares",
+     "names": ["invalid_rate", "zero_variance_share", "truncation_rate"], "y": "share", "range": [0, 1.05]},
+    {"id": "other", "title": "Other metrics", "names": [], "other": True, "y": "value"},
+]
+
+# Metrics a comparison of runs can overlay (one chart each, a trace per run).
+COMPARE_METRICS = ("heldout_reward", "reward_mean", "gpu_busy", "trajectories_per_s", "loss", "kl", "entropy",
+                   "invalid_rate", "staleness_mean", "grad_norm", "clip_fraction", "tokens_per_s")
+
+
+def sparkline_svg(values: Sequence[float], width: int = 120, height: int = 28) -> str:
+    """An inline SVG polyline of ``values`` (no script, no library: the runs list stays light)."""
+    if len(values) < 2:
+        return ""
+    lo, hi = min(values), max(values)
+    span = (hi - lo) or 1.0
+    step = (width - 2) / (len(values) - 1)
+    points = " ".join(
+        f"{1 + i * step:.1f},{height - 2 - (v - lo) / span * (height - 4):.1f}" for i, v in enumerate(values)
+    )
+    return (f'<svg class="spark" width="{width}" height="{height}" viewBox="0 0 {width} {height}" '
+            f'role="img" aria-label="reward from {values[0]:.2f} to {values[-1]:.2f}">'
+            f'<polyline fill="none" stroke="currentColor" stroke-width="1.5" points="{points}"/></svg>')
