@@ -85,9 +85,11 @@ class SandboxSpec:
     """Inputs the code may modify or delete."""
     artifacts: Sequence[str] = ()
     """Glob patterns, relative to the work directory, collected after every execution."""
-    epilogue: str | None = None
+    epilogue: str | Sequence[str] | None = None
     """TRUSTED Python run after `code` in the same interpreter and namespace; one outcome per top-level
-    statement, each run even if an earlier one failed."""
+    statement, each run even if an earlier one failed. Parsed and compiled outside the sandbox, once per
+    distinct text; a sequence of chunks (each parsing on its own, run as if joined line after line) lets a
+    caller that varies only one small chunk per execution reuse the compilation of the others."""
     stdin: bytes = b""
     limits: Limits = field(default_factory=Limits)
     command: Sequence[str] | None = None
@@ -103,6 +105,10 @@ class SandboxSpec:
             raise ValueError(f"SandboxSpec: {sorted(overlap)} in both files and writable_files")
         for pattern in self.artifacts:
             check_relative_path(pattern, "SandboxSpec.artifacts")
+        if self.epilogue is not None and not isinstance(self.epilogue, str) and (
+            isinstance(self.epilogue, bytes) or not all(isinstance(c, str) for c in self.epilogue)
+        ):
+            raise ValueError("SandboxSpec.epilogue must be a string or a sequence of strings")
         if self.command is not None and (isinstance(self.command, str) or not self.command):
             raise ValueError("SandboxSpec.command must be a non-empty argv list, e.g. ['bash', 'test.sh']")
 

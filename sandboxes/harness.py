@@ -12,6 +12,9 @@ Inside the sandbox process the harness
 4. runs the optional command;
 5. after each step writes a frame to the report pipe: length, HMAC-SHA256 over (sequence number,
    payload) keyed with a per-execution secret, JSON payload.
+6. at the end (PID 1 of its namespace) kills and reaps every other process of the execution, then
+   closes all its fds: the report pipe hanging up with an authenticated "end" frame in it tells the
+   owner the verdict is complete before the kernel has finished tearing this process down.
 
 The secret lives only in this process's memory; it never appears in the environment, argv, files or
 stdout. The reader (the pool's owner process, outside the sandbox) rejects the whole report on a bad MAC, a gap in
@@ -35,9 +38,12 @@ epilogue writes) and calibrate against known hacks.
 from __future__ import annotations
 
 import ast
+import functools
 import hmac
 import json
+import marshal
 import struct
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,13 +101,33 @@ class EpilogueStatement:
     source: str
 
 
-def split_epilogue(epilogue: str) -> list[EpilogueStatement]:
-    """The top-level statements of a trusted epilogue (raises SyntaxError for a bad one)."""
-    tree = ast.parse(epilogue, "<epilogue>", "exec")
+def prepare_epilogue(epilogue: str | Sequence[str]) -> tuple[list[EpilogueStatement], list[bytes]]:
+    """The top-level statements of a trusted epilogue, and their code compiled here, outside the sandbox,
+    as marshal blobs for the sandbox to load (raises SyntaxError for a bad epilogue).
+
+    `epilogue` is one source text, or chunks that each parse on their own and run as if joined line after
+    line. Each chunk is parsed and compiled once per process (cached): a caller that changes only a small
+    chunk between executions (a per-judgment token) pays only for that chunk.
+    """
+    chunks = [epilogue] if isinstance(epilogue, str) else list(epilogue)
+    statements: list[EpilogueStatement] = []
+    blobs: list[bytes] = []
+    first_line = 1
+    for chunk in chunks:
+        chunk_statements, blob = _prepare_chunk(chunk, first_line)
+        statements.extend(chunk_statements)
+        blobs.append(blob)
+        first_line += chunk.count("\n") + (1 if chunk and not chunk.endswith("\n") else 0)
+    return statements, blobs
+
+
+@functools.lru_cache(maxsize=512)
+def _prepare_chunk(chunk: str, first_line: int) -> tuple[tuple[EpilogueStatement, ...], bytes]:
+    tree = ast.parse(chunk, "<epilogue>", "exec")
     # ast.get_source_segment re-splits the whole source for every node (quadratic, and it showed up as
     # half the cost of judging a long test file): split once, slice by the nodes' byte offsets.
-    lines = [line.encode() for line in epilogue.splitlines(keepends=True)]
-    out = []
+    lines = [line.encode() for line in chunk.splitlines(keepends=True)]
+    statements = []
     for node in tree.body:
         end_line, end_col = node.end_lineno, node.end_col_offset
         if end_line is None or end_col is None:
@@ -112,13 +138,16 @@ def split_epilogue(epilogue: str) -> list[EpilogueStatement]:
             first = lines[node.lineno - 1][node.col_offset:]
             middle = lines[node.lineno:end_line - 1]
             source = b"".join([first, *middle, lines[end_line - 1][:end_col]]).decode()
-        out.append(EpilogueStatement(node.lineno, source))
-    return out
+        statements.append(EpilogueStatement(node.lineno + first_line - 1, source))
+    if first_line > 1:
+        ast.increment_lineno(tree, first_line - 1)
+    codes = tuple(compile(ast.Module(body=[node], type_ignores=[]), "<epilogue>", "exec") for node in tree.body)
+    return tuple(statements), marshal.dumps(codes)
 
 
-def compile_epilogue(epilogue: str) -> list[Any]:
-    tree = ast.parse(epilogue, "<epilogue>", "exec")
-    return [compile(ast.Module(body=[node], type_ignores=[]), "<epilogue>", "exec") for node in tree.body]
+def load_epilogue(blobs: list[bytes]) -> list[Any]:
+    """The code objects of `prepare_epilogue`'s blobs (in the sandbox, before the untrusted code runs)."""
+    return [code for blob in blobs for code in marshal.loads(blob)]
 
 
 BLOCKED_EVENTS = frozenset({
@@ -133,9 +162,23 @@ BLOCKED_EVENTS = frozenset({
 })
 
 
-def run_harness(code: str, code_path: str, epilogue_code: list[Any], command: list[str] | None,
-                key: bytes, timeout_hint: float) -> None:
-    """Run code, epilogue and command in this (already sandboxed) process; never returns.
+@dataclass(frozen=True)
+class Job:
+    """What the owner hands a waiting sandbox: the untrusted code, the trusted epilogue and command."""
+
+    code: str
+    code_path: str
+    epilogue: list[Any]  # code objects (see load_epilogue)
+    command: list[str] | None
+    key: bytes  # the report's per-execution HMAC secret
+
+
+def run_harness(receive_job: Callable[[], Job]) -> None:
+    """Get ready, wait for the job (`receive_job()` blocks until the owner sends it), then run its code,
+    epilogue and command in this (already sandboxed) process; never returns.
+
+    Everything that does not depend on the job (bindings, snapshots, helper closures) is done before
+    waiting, while the sandbox is a standby, so that none of it lies between the job and its verdict.
 
     Rule for everything below that runs after the untrusted code started: use only local names bound
     before it started, and C-level callables. No global or builtin is looked up by name and no
@@ -158,18 +201,20 @@ def run_harness(code: str, code_path: str, epilogue_code: list[Any], command: li
     _int_repr, _float_repr = int.__repr__, float.__repr__
     _write, _exit, _waitpid, _spawnp = os.write, os._exit, os.waitpid, os.posix_spawnp
     _exitcode = os.waitstatus_to_exitcode
+    _kill, _closerange = os.kill, os.closerange
+    _is_init = os.getpid() == 1  # PID 1 of the sandbox's own PID namespace (not in the rlimits-only tier)
     _hmac_digest, _quote, _pack = _hashlib.hmac_digest, _json.encode_basestring_ascii, _struct.pack
     _format_exc = traceback.format_exception
     _dict_clear, _dict_update = dict.clear, dict.update
     _builtins_dict = builtins.__dict__
     _builtins_snapshot = dict(_builtins_dict)
     _command_env = dict(os.environ)
-    _statements = _tuple(epilogue_code)
     _report_fd, _blocked = REPORT_FD, BLOCKED_EVENTS
     _max_frame = MAX_FRAME_BYTES
     _sys_modules = sys.modules
     _streams = (sys.__stdout__, sys.__stderr__)  # the real ones, whatever the code rebinds later
     seq = [0]
+    key = b""  # the job's; the closures below read it once it is set
 
     def value(v: Any) -> str:
         t = _type(v)
@@ -239,14 +284,20 @@ def run_harness(code: str, code_path: str, epilogue_code: list[Any], command: li
         ):
             raise _RuntimeError("process memory is not accessible in the sandbox")
 
-    main = types.ModuleType("__main__")
-    main.__dict__.update({"__file__": code_path, "__builtins__": builtins, "__cached__": None})
-    namespace = main.__dict__
-    _sys_modules["__main__"] = main
-    sys.argv[:] = [code_path]
     import time
 
-    emit({"k": "start", "t": time.monotonic()})
+    _monotonic = time.monotonic
+    main = types.ModuleType("__main__")
+    namespace = main.__dict__
+
+    # ---- ready: wait for the job
+    job = receive_job()
+    code, code_path, command, key = job.code, job.code_path, job.command, job.key
+    _statements = _tuple(job.epilogue)
+    namespace.update({"__file__": code_path, "__builtins__": builtins, "__cached__": None})
+    _sys_modules["__main__"] = main
+    sys.argv[:] = [code_path]
+    emit({"k": "start", "t": _monotonic()})
     sys.addaudithook(audit)
 
     # ---- the untrusted code
@@ -318,4 +369,20 @@ def run_harness(code: str, code_path: str, epilogue_code: list[Any], command: li
     if exit_code == 0 and (failed or (command_exit is not None and command_exit != 0)):
         exit_code = 1
     emit({"k": "end", "exit": exit_code})
+
+    # ---- done: nothing of the execution may outlive its verdict. As the namespace's init, kill every
+    # other process in it and reap them (bounded: a thread the code left running may keep forking; the
+    # kernel kills those when we exit). Then close every fd: the owner sees the report pipe hang up and
+    # returns the verdict without waiting for this process's own teardown (its memory, its namespaces).
+    if _is_init:
+        for _ in _range(256):
+            try:  # noqa: SIM105
+                _kill(-1, 9)
+            except _BaseException:
+                pass
+            try:
+                _waitpid(-1, 0)
+            except _BaseException:
+                break  # no child left (or the code made waiting impossible: the kernel still kills them)
+    _closerange(0, 1 << 20)
     _exit(exit_code)

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 from sandboxes.api import Artifact, HarnessReport, SandboxResult, SandboxSpec, StatementOutcome, Status
-from sandboxes.harness import MAX_REPORT_BYTES, ReportTampered, decode_frames, split_epilogue
+from sandboxes.harness import MAX_REPORT_BYTES, ReportTampered, decode_frames, prepare_epilogue
 from sandboxes.zygote import _LEN, DEFAULT_DISK, DEFAULT_LIMITS, SANDBOX_ROOT, Standby
 
 MAX_ARTIFACTS = 100
@@ -55,12 +55,12 @@ class Runner:
                 ) -> tuple[SandboxResult, float | None]:
         """Run `spec` on `standby` (used once; the caller releases it afterwards)."""
         try:
-            statements = split_epilogue(spec.epilogue) if spec.epilogue is not None else []
-        except SyntaxError as exc:
+            statements, epilogue = prepare_epilogue(spec.epilogue) if spec.epilogue is not None else ([], [])
+        except (SyntaxError, ValueError) as exc:
             return error_result(self.tier, f"the epilogue does not compile: {exc}"), None
         self._prepare(standby, spec, remount)
         key = secrets.token_bytes(32)
-        job = {"code": spec.code, "epilogue": spec.epilogue, "key": key, "limits": spec.limits,
+        job = {"code": spec.code, "epilogue": epilogue, "key": key, "limits": spec.limits,
                "command": list(spec.command) if spec.command is not None else None,
                "code_path": os.path.join(SANDBOX_ROOT if self.namespaces else standby.slot, "main.py")}
         data = pickle.dumps(job, protocol=pickle.HIGHEST_PROTOCOL)
@@ -104,11 +104,13 @@ class Runner:
         caps = {standby.out_r: limits.max_output_bytes, standby.err_r: limits.max_output_bytes,
                 standby.rep_r: MAX_REPORT_BYTES}
         poller = select.poll()
-        # The report pipe is read at the end (its buffer holds a whole report): one wake-up, not one per frame.
         for fd in (standby.out_r, standby.err_r, standby.pidfd):
             poller.register(fd, select.POLLIN)
-        exited = False
-        while not exited and reason is None:
+        # The report pipe is read once (its buffer holds a whole report), so it is watched for hang-up only:
+        # the harness, done, closes every fd — one wake-up, not one per frame.
+        poller.register(standby.rep_r, 0)
+        exited = finished = False
+        while not (exited or finished) and reason is None:
             timeout_ms = max(0, int((deadline - time.monotonic()) * 1000) + 1)
             events = poller.poll(min(timeout_ms, 1000))
             if not events and time.monotonic() >= deadline:
@@ -117,6 +119,11 @@ class Runner:
             for fd, _ in events:
                 if fd == standby.pidfd:
                     exited = True
+                elif fd == standby.rep_r:
+                    poller.unregister(fd)  # it stays hung up: watch the process from here on
+                    _drain(fd, report, MAX_REPORT_BYTES)
+                    # Without a cgroup the CPU time comes from the zygote's wait: wait for the exit then.
+                    finished = standby.cgroup is not None and _has_end(key, report)
                 elif fd in open_fds:
                     buffer = open_fds[fd]
                     if not _drain(fd, buffer, caps[fd]):
@@ -129,7 +136,13 @@ class Runner:
                             err_trunc = True
                         reason = "output_limit"
         wall = time.monotonic() - started
-        if not exited:
+        if finished and not exited:
+            # The authenticated report is complete: the harness has killed and reaped every other process
+            # of the execution and closed its fds. Kill its init too (in case the "end" came from anywhere
+            # but the real harness) and let the kernel tear it down while we judge: the zygote frees the
+            # slot only once it has reaped it.
+            self._kill_tree(standby)
+        elif not exited:
             # A limit: kill the namespace's init; the kernel kills everything else in it. Its pidfd turns
             # readable only once the whole namespace is gone.
             self._kill_tree(standby)
@@ -234,6 +247,15 @@ def _drain(fd: int, buffer: bytearray, cap: int) -> bool:
             return False
         buffer += chunk
     return True
+
+
+def _has_end(key: bytes, data: bytearray) -> bool:
+    """Whether the report is an untampered stream ending with the harness's "end" frame."""
+    try:
+        messages = decode_frames(key, bytes(data))
+    except ReportTampered:
+        return False
+    return bool(messages) and messages[-1].get("k") == "end"
 
 
 def verdict(

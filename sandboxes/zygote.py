@@ -46,8 +46,10 @@ from sandboxes.api import (
 )
 from sandboxes.harness import (
     REPORT_FD,
-    compile_epilogue,
+    Job,
     decode_frames,
+    encode_frame,
+    load_epilogue,
     run_harness,
 )
 
@@ -153,6 +155,11 @@ class Zygote:
         self.pidns_fd = -1
         self.standby_target = standbys
         self.counter = 0
+        # Started with exactly the sandbox's environment (see the pool): then a sandbox need not rebuild it.
+        self.env_is_sandbox_env = dict(os.environ) == SANDBOX_ENV
+        # No other thread (at the C level either): forks may skip the at-fork handlers (see _linux).
+        self.single_threaded = len(os.listdir("/proc/self/task")) == 1
+        self.expose: dict[str, list[str]] = {}  # hidden directory -> the trees each sandbox re-attaches
         # Resolved before /tmp is covered below: a virtualenv there would no longer resolve to its interpreter.
         self.real_executable = os.path.realpath(sys.executable)
         if self.namespaces:
@@ -163,23 +170,30 @@ class Zygote:
             _linux.mount("tmpfs", SANDBOX_ROOT, "tmpfs", _linux.MS_NOSUID | _linux.MS_NODEV, "size=1m,mode=711")
             self.slots_base = SANDBOX_ROOT
             self.pidns_fd = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
-        # The interpreter may live where the sandbox uid cannot go (pyenv under /root, 0700): such a
-        # directory is covered inside each sandbox, with only the interpreter's own trees re-attached.
-        self.expose: dict[str, list[str]] = {}
-        for path in dict.fromkeys(os.path.realpath(p) for p in (sys.base_prefix, sys.prefix, sys.executable)):
-            hidden = _linux.hidden_ancestor(path)
-            if hidden is not None and self.namespaces:
-                tree = path if os.path.isdir(path) else os.path.dirname(path)
-                trees = self.expose.setdefault(hidden, [])
-                if not any(tree == t or tree.startswith(t + "/") for t in trees):
-                    trees.append(tree)
+            # The interpreter may live where the sandbox uid cannot go (pyenv under /root, 0700): such a
+            # directory is covered by a tmpfs that re-attaches only the interpreter's own trees — once, here
+            # in our mount namespace (which every sandbox copies), unless this process still needs more of
+            # it (its own code under /root): then in each sandbox.
+            for path in dict.fromkeys(os.path.realpath(p) for p in (sys.base_prefix, sys.prefix, sys.executable)):
+                hidden = _linux.hidden_ancestor(path)
+                if hidden is not None:
+                    tree = path if os.path.isdir(path) else os.path.dirname(path)
+                    trees = self.expose.setdefault(hidden, [])
+                    if not any(tree == t or tree.startswith(t + "/") for t in trees):
+                        trees.append(tree)
+            needed = [os.path.realpath(p) for p in sys.path if p]
+            if not any(_covered(p, hidden, trees) for p in needed for hidden, trees in self.expose.items()):
+                for hidden, trees in self.expose.items():
+                    _linux.expose_under_tmpfs(hidden, trees)
+                self.expose = {}
         else:
             import tempfile
 
             self.slots_base = tempfile.mkdtemp(prefix="temper-sandbox-")
             os.chmod(self.slots_base, 0o711)
-        # Warm the crypto and pickle paths once here rather than in every child.
-        decode_frames(b"k" * 32, b"")
+        # Warm the crypto and pickle paths once here rather than in every child (OpenSSL caches the digest
+        # on first use: done here, every sandbox shares the page instead of writing its own copy).
+        decode_frames(b"k" * 32, encode_frame(b"k" * 32, 0, {"k": "warm-up"}))
         pickle.loads(pickle.dumps(SandboxSpec(code="")))
         gc.collect()
         gc.freeze()  # children then do not write to (and copy) the pages of every preloaded object
@@ -303,13 +317,15 @@ class Zygote:
             if self.namespaces:
                 _linux.unshare(_linux.CLONE_NEWPID)  # applies to our next child only
             try:
-                pid = os.fork()
+                pid = _linux.fork_without_handlers() if self.single_threaded else os.fork()
             except BaseException:
                 if self.namespaces:
                     _linux.setns(self.pidns_fd, _linux.CLONE_NEWPID)
                 raise
             if pid == 0:
                 try:
+                    if self.single_threaded and "random" in sys.modules:
+                        sys.modules["random"].seed()  # what its at-fork handler does: no shared sequence
                     for fd in keep:
                         os.close(fd)
                     self._sandbox_process(slot, cgroup, child_fds)
@@ -357,9 +373,12 @@ class Zygote:
         os.setsid()
         _linux.prctl(_linux.PR_SET_PDEATHSIG, signal.SIGKILL)
         if cgroup is not None:
-            for procs in cgroup.procs_files():
-                with open(procs, "w") as f:
-                    f.write("0")
+            for procs in cgroup.procs_files():  # raw fds: every Python object touched here is a copied page
+                fd = os.open(procs, os.O_WRONLY)
+                try:
+                    os.write(fd, b"0")
+                finally:
+                    os.close(fd)
         root = slot
         if self.namespaces:
             _linux.unshare(_linux.CLONE_NEWNS | _linux.CLONE_NEWNET | _linux.CLONE_NEWIPC | _linux.CLONE_NEWUTS)
@@ -388,8 +407,9 @@ class Zygote:
             signal.signal(sig, signal.SIG_DFL)
         workdir = os.path.join(root, "work")
         os.chdir(workdir)
-        os.environ.clear()
-        os.environ.update(SANDBOX_ENV)
+        if not self.env_is_sandbox_env:
+            os.environ.clear()
+            os.environ.update(SANDBOX_ENV)
         if not self.namespaces:
             os.environ["HOME"] = os.environ["TMPDIR"] = root
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
@@ -401,32 +421,41 @@ class Zygote:
         _linux.prctl(_linux.PR_SET_DUMPABLE, 0)
         sys.path[0:0] = [workdir]
 
-        # ---- ready: wait for the job (the zygote's owner is the only writer of this pipe)
-        header = _read_exact(go_fd, _LEN.size)
-        if header is None:
-            os._exit(0)  # discarded without a job
-        job = pickle.loads(_read_exact(go_fd, _LEN.unpack(header)[0]) or b"")
-        os.close(go_fd)
-        limits: Limits = job["limits"]
-        # Lowering limits needs no privilege, so they are set after the drop, per job. RLIMIT_CPU counts
-        # from the process start: add what the set-up already used. Soft = hard: as init we would ignore
-        # the soft limit's SIGXCPU; the hard limit's SIGKILL comes from the kernel and always kills.
-        usage = resource.getrusage(resource.RUSAGE_SELF)
-        cpu = max(1, math.ceil(usage.ru_utime + usage.ru_stime + limits.cpu_seconds))
-        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limits.max_file_bytes, limits.max_file_bytes))
-        resource.setrlimit(resource.RLIMIT_NOFILE, (limits.max_open_files, limits.max_open_files))
-        if self.cgroups is None:
-            # Without a cgroup: per-uid process count (the zygote's waiting standbys share the uid and
-            # count too) and per-process address space.
-            resource.setrlimit(resource.RLIMIT_NPROC, (limits.max_processes, limits.max_processes))
-            resource.setrlimit(resource.RLIMIT_AS, (limits.memory_bytes, limits.memory_bytes))
-        epilogue_code = compile_epilogue(job["epilogue"]) if job["epilogue"] is not None else []
-        run_harness(job["code"], job["code_path"], epilogue_code, job["command"], job["key"],
-                    limits.wall_seconds)
+        cgroups = self.cgroups
+
+        def receive_job() -> Job:
+            """Block until the owner sends the job (it is the only writer of this pipe); set its limits."""
+            header = _read_exact(go_fd, _LEN.size)
+            if header is None:
+                os._exit(0)  # discarded without a job
+            job = pickle.loads(_read_exact(go_fd, _LEN.unpack(header)[0]) or b"")
+            os.close(go_fd)
+            limits: Limits = job["limits"]
+            # Lowering limits needs no privilege, so they are set after the drop, per job. RLIMIT_CPU counts
+            # from the process start: add what the set-up already used. Soft = hard: as init we would ignore
+            # the soft limit's SIGXCPU; the hard limit's SIGKILL comes from the kernel and always kills.
+            usage = resource.getrusage(resource.RUSAGE_SELF)
+            cpu = max(1, math.ceil(usage.ru_utime + usage.ru_stime + limits.cpu_seconds))
+            resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
+            resource.setrlimit(resource.RLIMIT_FSIZE, (limits.max_file_bytes, limits.max_file_bytes))
+            resource.setrlimit(resource.RLIMIT_NOFILE, (limits.max_open_files, limits.max_open_files))
+            if cgroups is None:
+                # Without a cgroup: per-uid process count (the zygote's waiting standbys share the uid and
+                # count too) and per-process address space.
+                resource.setrlimit(resource.RLIMIT_NPROC, (limits.max_processes, limits.max_processes))
+                resource.setrlimit(resource.RLIMIT_AS, (limits.memory_bytes, limits.memory_bytes))
+            return Job(job["code"], job["code_path"], load_epilogue(job["epilogue"]), job["command"], job["key"])
+
+        run_harness(receive_job)  # gets ready, then waits for the job
 
 
 _TIER_ORDER = [_linux.TIER_FULL, _linux.TIER_NAMESPACES, _linux.TIER_RLIMITS]
+
+
+def _covered(path: str, hidden: str, trees: list[str]) -> bool:
+    """Whether covering `hidden` (re-attaching only `trees`) hides `path`."""
+    inside = path == hidden or path.startswith(hidden.rstrip("/") + "/")
+    return inside and not any(path == t or path.startswith(t + "/") for t in trees)
 
 
 def _read_exact(fd: int, n: int) -> bytes | None:

@@ -45,16 +45,67 @@ def test_prepare_solution_strips_main_guard_and_reports_syntax_errors() -> None:
     assert code is None and why is not None and "line 1" in why
 
 
-def test_epilogue_folds_leading_definitions_into_setup_and_appends_check_call() -> None:
+def test_epilogue_counts_leading_definitions_as_setup_and_appends_check_call() -> None:
     ep = build_epilogue("import math\ndef check(candidate):\n    assert candidate(1) == 1\n",
                         entry_point="f", strict_values=True)
-    assert ep.setup_count == 1
+    assert ep.setup_count == 4  # the helpers, the pre-check, then the two leading definitions
     assert ep.test_sources == ["check(f)"]
     assert ep.scored == [True]
-    assert ep.postcheck_index == 2
+    assert ep.postcheck_index == 5
     ep = build_epilogue("x = 1\nassert f(x) == 1\ny = f(2)\nassert y == 2\n", entry_point=None, strict_values=True)
     assert ep.test_sources == ["assert f(x) == 1", "y = f(2)", "assert y == 2"]
     assert ep.scored == [True, False, True]
+
+
+SPLICE_CASES = [
+    "assert f(1) == 2\nassert f(g(x)) != [h(1), 2] < k()\n",
+    "x = f(1)\nassert x is None\nassert f(1) is not f(2) == 3\nassert (f(1) == 1) == True\n",
+    "import math, random\nr = random.Random(4)\nassert math.isclose(f(r.random()), 0.5)\n",
+    "assert f(1)(2) == 3\nassert g(1).attr == 2\nassert str(f(1)).upper() == 'A'\nassert len(f(2)) == -1\n",
+    "def check(candidate):\n    assert candidate([1, 2],\n        key=lambda v: -v) == [2, 1]\n"
+    "    assert sorted(candidate(x) for x in range(3)) == [0, 1, 2]\n",
+    "assert (y := f(1)) == 1\nassert f('é') == 'é' and f(\"ü\") in ('ü', f(0))\nassert -f(1) == f(-1)\n",
+    "for i in range(3):\n    assert f(i) == i, 'wrong for ' + str(i)\nwhile False:\n    g()\n",
+    "assert f(1) == 1, f'message {f(1)}'\n",  # an f-string: the unparse path
+]
+
+
+@pytest.mark.parametrize("tests", SPLICE_CASES)
+def test_spliced_epilogue_is_the_rewritten_one(tests: str) -> None:
+    """The fast path (checks spliced into the test text) compiles to what the AST rewriter produces."""
+    import ast
+
+    from workers.verifiers import sandboxed
+
+    ep = build_epilogue(tests, entry_point="f", strict_values=True)
+    tree = ast.parse(tests)
+    rewriter = sandboxed._TestRewriter(sandboxed._PREFIX, frozenset(sandboxed._BUILTIN_NAMES | {"check"}
+                                                                    | {"math", "random"}), frozenset({"math", "random"}))
+    expected = [ast.dump(rewriter.visit(n)) for n in tree.body]
+    body = ast.parse(ep.body).body[1:]  # after the pre-check
+    got = [ast.dump(n) for n in body][: len(expected)]
+    assert got == expected
+
+
+def test_spliced_epilogues_of_humaneval_are_the_rewritten_ones() -> None:
+    import ast
+
+    from workers.verifiers import sandboxed
+    from workers.verifiers.humaneval import humaneval_rows
+
+    for row in humaneval_rows(164, variants=("canonical",)):
+        tests, entry = row["reference"]["tests"], row["reference"]["entry_point"]
+        spliced = build_epilogue(tests, entry_point=entry, strict_values=True)
+        sandboxed._build_epilogue.cache_clear()
+        tree = ast.parse(tests)
+        defined = {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+        imported = {(a.asname or a.name).split(".")[0] for n in ast.walk(tree)
+                    if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
+        rewriter = sandboxed._TestRewriter(sandboxed._PREFIX, frozenset(sandboxed._BUILTIN_NAMES | defined | imported),
+                                           frozenset(imported))
+        expected = [ast.dump(rewriter.visit(n)) for n in tree.body]
+        got = [ast.dump(n) for n in ast.parse(spliced.body).body[1 : 1 + len(expected)]]  # after the pre-check
+        assert got == expected, row["task_id"] if "task_id" in row else tests[:80]
 
 
 # ---------------------------------------------------------------- real judgments

@@ -178,8 +178,7 @@ _LITERAL_TYPES = {"int": "0", "float": "0.0", "complex": "0j", "str": "''", "byt
                   "list": "[]", "tuple": "()", "dict": "{}", "set": "{0}", "type": "type"}
 
 # The epilogue's trusted helpers. Everything they rely on is taken from literals (``().__class__.__class__``
-# is the real ``type``) or bound as default arguments, never looked up in the patchable builtins. Kept
-# compact: the harness handles the epilogue's source once per top-level statement.
+# is the real ``type``) or bound as default arguments, never looked up in the patchable builtins.
 _SETUP_TEMPLATE = '''
 def {p}p(v, d=0, T=().__class__.__class__, P=({plain_types})):
     t = T(v)
@@ -271,7 +270,7 @@ _DEFINITION_NODES = (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.AsyncFunct
 class Epilogue:
     """The trusted epilogue for one task's tests; ``source(token)`` is the text for one judgment."""
 
-    body: str  # setup statement + test statements
+    body: str  # the pre-check, the leading definitions and the test statements (after the helpers)
     postcheck: str  # the integrity post-check call, without its closing ``token)``
     setup_count: int  # statements [0, setup_count): the trusted setup, pre-check and leading definitions
     test_sources: list[str]  # one per test statement, original text
@@ -282,7 +281,13 @@ class Epilogue:
         """The post-check writes ``token`` to ``TOKEN_FILE`` (collected as an artifact, compared outside):
         proof that the real epilogue ran to its end, which a forged report cannot give without also
         finding the token."""
-        return f"{self.body}\n{self.postcheck}, {token!r})\n"
+        return "\n".join(self.chunks(token))
+
+    def chunks(self, token: str | None = None) -> tuple[str, str, str]:
+        """``source(token)`` as the sandbox's epilogue chunks, each compiled once per process by the
+        sandbox: the helpers (the same for all tests), the body (the same for every judgment of these
+        tests) and the one-line post-check carrying this judgment's token."""
+        return _setup_block(), self.body, f"{self.postcheck}, {token!r})\n"
 
 
 def build_epilogue(tests: str, *, entry_point: str | None, strict_values: bool, flatten_check: bool = False) -> Epilogue:
@@ -326,11 +331,6 @@ def _flattened_check(tree: ast.Module, entry_point: str) -> list[ast.stmt] | Non
     return [*ast.parse(f"{fn.args.args[0].arg} = {entry_point}").body, *fn.body]
 
 
-@functools.cache
-def _setup_nodes() -> tuple[ast.stmt, ...]:
-    return tuple(ast.parse(_setup_source()).body)  # shared, read-only: the trees are only unparsed
-
-
 @functools.lru_cache(maxsize=512)
 def _build_epilogue(tests: str, entry_point: str | None, strict_values: bool, flatten_check: bool) -> Epilogue:
     try:
@@ -356,6 +356,8 @@ def _build_epilogue(tests: str, entry_point: str | None, strict_values: bool, fl
             has_import = True
             imported.update((a.asname or a.name).split(".")[0] for a in n.names)
     body = list(tree.body)
+    appended: str | None = None  # the check call, appended to the text
+    text_path = True  # False: the statements exist only as trees (a flattened check), unparse them
     if entry_point is not None:
         if not entry_point.isidentifier():
             raise InvalidReference(f"entry_point {entry_point!r} is not an identifier")
@@ -363,17 +365,19 @@ def _build_epilogue(tests: str, entry_point: str | None, strict_values: bool, fl
             flat = _flattened_check(tree, entry_point) if flatten_check else None
             if flat is not None:
                 body.extend(flat)
+                text_path = False
                 stored.update(t.id for t in ast.walk(ast.Module(flat, [])) if isinstance(t, ast.Name)
                               and isinstance(t.ctx, ast.Store))
             else:
                 body.append(ast.Expr(ast.Call(ast.Name("check", ast.Load()), [ast.Name(entry_point, ast.Load())], [])))
+                appended = f"check({entry_point})\n"
     if all(isinstance(n, _DEFINITION_NODES) for n in body):
         raise InvalidReference("the tests contain no test statements (only definitions)")
-    # Leading definitions (imports, helpers, ``def check``) join the setup statement: they are never
-    # scored, and every top-level statement costs the harness a report frame and a pass over the source.
+    # Leading definitions (imports, helpers, ``def check``) are setup statements: never scored.
     n_leading = next(i for i, n in enumerate(body) if not isinstance(n, _DEFINITION_NODES))
     leading, body = body[:n_leading], body[n_leading:]
-    test_sources = [ast.unparse(n) for n in body]
+    lines = tests.splitlines(keepends=True)
+    test_sources = [_segment(lines, n) or ast.unparse(n) for n in body]
     scored_flags = [not isinstance(n, _DEFINITION_NODES) for n in body]
 
     # Every name the tests bind themselves (defs, imports, assignments, loop targets): the tests may
@@ -382,16 +386,101 @@ def _build_epilogue(tests: str, entry_point: str | None, strict_values: bool, fl
     used_builtins = sorted(loaded_builtins - bound - _IGNORED_NAMES)
     if has_import:
         used_builtins.append("__import__")  # a patched __import__ could hand the tests fake modules
-    if strict_values:
-        rewriter = _TestRewriter(_PREFIX, frozenset(_BUILTIN_NAMES | defined | imported), frozenset(imported))
-        leading = [rewriter.visit(n) for n in leading]
-        body = [rewriter.visit(n) for n in body]
     check_call = f"{_PREFIX}i({used_builtins!r}, {sorted(bound)!r})"
-    # The setup, the pre-check and the leading definitions form ONE top-level statement (an ``if True:``
-    # block still binds module globals); then one statement per test statement; then the post-check.
-    setup_block = ast.If(ast.Constant(True), [*_setup_nodes(), *ast.parse(check_call).body, *leading], [])
-    module = ast.Module([setup_block, *body], [])  # only unparsed: no locations needed
-    return Epilogue(ast.unparse(module), check_call[:-1], 1, test_sources, scored_flags, 1 + len(body))
+    # Statements: the helpers (one ``if True:`` block, a chunk of its own), the pre-check, the leading
+    # definitions, the tests, then the post-check (also a chunk of its own, see ``Epilogue.chunks``).
+    setup = f"{check_call}\n"
+    exempt, modules = frozenset(_BUILTIN_NAMES | defined | imported), frozenset(imported)
+    text = None
+    if text_path:
+        # The common case: the tests' own text with the checks spliced in (no unparse: the slow part).
+        text = _spliced(tests, tree, exempt, modules) if strict_values else tests
+        if text is not None:
+            text = setup + text + ("" if text.endswith("\n") else "\n") + ("" if appended is None else appended)
+            try:
+                ast.parse(text)
+            except SyntaxError:
+                text = None
+    if text is None:
+        if strict_values:
+            rewriter = _TestRewriter(_PREFIX, exempt, modules)
+            leading = [rewriter.visit(n) for n in leading]
+            body = [rewriter.visit(n) for n in body]
+        text = setup + ast.unparse(ast.Module([*leading, *body], []))  # only unparsed: no locations needed
+    setup_count = 2 + len(leading)
+    return Epilogue(text, check_call[:-1], setup_count, test_sources, scored_flags, setup_count + len(body))
+
+
+def _segment(lines: list[str], node: ast.stmt) -> str | None:
+    """The source text of a parsed top-level statement (None for one built here)."""
+    end_line, end_col = getattr(node, "end_lineno", None), getattr(node, "end_col_offset", None)
+    if end_line is None or end_col is None or not hasattr(node, "lineno"):
+        return None
+    raw = [line.encode() for line in lines[node.lineno - 1 : end_line]]
+    if len(raw) == 1:
+        return raw[0][node.col_offset : end_col].decode()
+    return b"".join([raw[0][node.col_offset :], *raw[1:-1], raw[-1][:end_col]]).decode()
+
+
+@functools.cache
+def _setup_block() -> str:
+    """The helpers as one statement (an ``if True:`` block still binds module globals)."""
+    return "if True:\n" + "".join(f"    {line}" if line.strip() else line
+                                   for line in _setup_source().splitlines(keepends=True))
+
+
+def _exempt_call(node: ast.Call, exempt: frozenset[str], modules: frozenset[str]) -> bool:
+    """``_TestRewriter.visit_Call``'s rule: builtins, functions the tests define and the tests' imports."""
+    root = node.func
+    while isinstance(root, ast.Attribute):
+        root = root.value
+    return isinstance(root, ast.Name) and root.id in exempt and (root is node.func or root.id in modules)
+
+
+def _spliced(tests: str, tree: ast.Module, exempt: frozenset[str], modules: frozenset[str]) -> str | None:
+    """``tests`` with ``<prefix>p(...)`` around exactly the values ``_TestRewriter`` wraps, spliced into the
+    original text by node offsets; None where offsets cannot be trusted (f-strings, ``\\r`` line ends).
+
+    The same wraps as the rewriter: every call that is not exempt, and every comparison operand (unless
+    between identity comparisons) that is neither a literal nor such a call. Tested against it.
+    """
+    if "\r" in tests:
+        return None
+    wraps: list[ast.expr] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.JoinedStr):
+            return None  # positions inside f-strings are unreliable before Python 3.12
+        if isinstance(node, ast.Call):
+            if not _exempt_call(node, exempt, modules):
+                wraps.append(node)
+        elif isinstance(node, ast.Compare):
+            identity = [isinstance(op, (ast.Is, ast.IsNot)) for op in node.ops]
+            for k, operand in enumerate([node.left, *node.comparators]):
+                if all(identity[max(0, k - 1) : k + 1]) or isinstance(operand, ast.Constant):
+                    continue
+                if isinstance(operand, ast.Call) and not _exempt_call(operand, exempt, modules):
+                    continue  # wrapped as a call already
+                wraps.append(operand)
+    if not wraps:
+        return tests
+    data = tests.encode()
+    starts = [0]
+    for line in tests.splitlines(keepends=True):
+        starts.append(starts[-1] + len(line.encode()))
+    inserts: list[tuple[int, int]] = []  # (byte offset, 0 = close / 1 = open): closes first at one offset
+    for node in wraps:
+        if node.end_lineno is None or node.end_col_offset is None:
+            return None
+        inserts.append((starts[node.lineno - 1] + node.col_offset, 1))
+        inserts.append((starts[node.end_lineno - 1] + node.end_col_offset, 0))
+    inserts.sort()
+    opening, closing = f"{_PREFIX}p(".encode(), b")"
+    out, last = [], 0
+    for offset, kind in inserts:
+        out += [data[last:offset], opening if kind else closing]
+        last = offset
+    out.append(data[last:])
+    return b"".join(out).decode()
 
 
 # ---------------------------------------------------------------- python_tests
@@ -500,7 +589,7 @@ class PythonTestsVerifier(BaseVerifier[PythonTestsConfig]):
         token = secrets.token_hex(16)
         spec = SandboxSpec(
             code=prepared,
-            epilogue=epilogue.source(token),
+            epilogue=epilogue.chunks(token),
             artifacts=(TOKEN_FILE,),
             limits=_limits(c.limits),
         )
