@@ -255,3 +255,30 @@ def test_trajectory_page_shows_verdict_sandbox_and_group(client_in: Client, busy
     assert "namespaces+cgroup" in html and "clipped" in html.lower() and "v1" in html
     group = client_in.get(reverse("group", args=[busy_run.pk, "g1"])).content.decode()
     assert group.count('class="sample ') == 4
+
+
+def test_example_tasks_download_and_import(client_in: Client, user: Any) -> None:
+    response = client_in.get(reverse("example-tasks", args=["addition"]))
+    rows = [json.loads(line) for line in response.content.decode().splitlines()]
+    assert len(rows) == 90 * 90 and {r["split"] for r in rows} == {"train", "heldout"}
+    assert client_in.get(reverse("example-tasks", args=["poetry"])).status_code == 404
+    domain = factories.domain(user)
+    do_import_tasks(domain, response.content.decode().splitlines())
+    domain.refresh_from_db()
+    assert domain.task_count == 8100 and domain.heldout_count == 1620
+
+
+def test_verifier_form_takes_calibration_cases_and_names_bad_lines(client_in: Client, user: Any) -> None:
+    bad = '{"completion": "5", "reference": {"answer": "5"}, "expected": "pass"}\n{oops\n{"expected": "maybe"}'
+    response = client_in.post(reverse("verifier-new"), {"name": "v", "kind": "exact_match", "config": "{}",
+                                                        "calibration_cases": bad})
+    html = response.content.decode()
+    assert "line 2: not JSON" in html and "line 3: expected must be" in html
+    good = "\n".join(json.dumps(c) for c in (
+        {"completion": "5", "reference": {"answer": "5"}, "expected": "pass", "label": "good"},
+        {"completion": "", "reference": {"answer": "5"}, "expected": "fail", "label": "hack"}))
+    response = client_in.post(reverse("verifier-new"), {"name": "v", "kind": "exact_match", "config": "{}",
+                                                        "calibration_cases": good})
+    assert response.status_code == 302
+    verifier = client_in.get(response["Location"]).context["verifier"]
+    assert verifier.calibration_cases.count() == 2 and verifier.calibration_status == "running"

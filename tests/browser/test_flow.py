@@ -25,7 +25,7 @@ PASSWORD = "correct horse battery staple"
 def test_define_a_domain_start_a_run_and_watch_it_live(
     browser: Any, live_server_proc: Any, start_worker: Any, django_user_model: Any, tmp_path: Path,
 ) -> None:
-    from workers.policy.demo_model import _split_pool
+    from workers.policy.demo_tasks import _split_pool
 
     user = django_user_model.objects.create_user("carol", password=PASSWORD)
     factories.verifier(user, name="exact-answer")  # calibrated: the gate lets its domains train

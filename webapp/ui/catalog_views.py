@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, cast
 
 from django.contrib import messages
-from django.db import IntegrityError
-from django.http import HttpRequest, HttpResponse
+from django.db import IntegrityError, transaction
+from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_POST
 
 from webapp.catalog import services as catalog_services
-from webapp.catalog.models import BaseModel, CalibrationStatus, TaskDomain, Verifier
+from webapp.catalog.models import BaseModel, CalibrationCase, CalibrationStatus, TaskDomain, Verifier
 from webapp.catalog.task_import import ROW_MODELS, ImportFailed
 from webapp.common.errors import TemperError
 from webapp.runs.models import Run
@@ -69,9 +69,23 @@ def domain_detail(request: HttpRequest, domain_id: int) -> HttpResponse:
     return render(request, "ui/domain.html", {
         "domain": domain, "upload": upload, "import_errors": import_errors,
         "tasks": domain.tasks.order_by("-id")[:20], "row_fields": fields,
-        "example": EXAMPLE_ROWS.get(domain.kind, ""),
+        "example": EXAMPLE_ROWS.get(domain.kind, ""), "example_files": ("addition", "multiplication")
+        if domain.kind == "answer" else (),
         "runs": Run.objects.visible_to(request.user).filter(domains=domain).order_by("-id")[:20],
     })
+
+
+def example_tasks(request: HttpRequest, name: str) -> HttpResponse:
+    """The demo domains' tasks as JSONL (train and held-out rows, split marked), for a first upload."""
+    from workers.policy.demo_tasks import DOMAINS, _split_pool
+
+    if name not in DOMAINS:
+        raise Http404(f"no example domain {name!r}; there are {', '.join(DOMAINS)}")
+    rows = [json.dumps({"id": f"{name[:3]}-{split}-{i}", "prompt": p, "answer": a, "split": split})
+            for split in ("train", "heldout") for i, (p, a) in enumerate(_split_pool(name, cast(Any, split)))]
+    response = HttpResponse("\n".join(rows) + "\n", content_type="application/x-ndjson")
+    response["Content-Disposition"] = f'attachment; filename="{name}.jsonl"'
+    return response
 
 
 def verifiers_list(request: HttpRequest) -> HttpResponse:
@@ -93,8 +107,15 @@ def verifier_new(request: HttpRequest) -> HttpResponse:
             if Verifier.objects.filter(owner=_owner(request), name=data["name"]).exists():
                 form.add_error("name", f"you already have a verifier named {data['name']!r}")
             else:
-                verifier = Verifier.objects.create(owner=_owner(request), name=data["name"], kind=data["kind"],
-                                                   config=data["config"], description=data["description"])
+                with transaction.atomic():
+                    verifier = Verifier.objects.create(owner=_owner(request), name=data["name"], kind=data["kind"],
+                                                       config=data["config"], description=data["description"])
+                    CalibrationCase.objects.bulk_create(
+                        [CalibrationCase(verifier=verifier, **case) for case in data["calibration_cases"]])
+                if data["calibration_cases"]:
+                    catalog_services.do_request_calibration(verifier, request.user)
+                    messages.success(request, f"Verifier created with {len(data['calibration_cases'])} calibration "
+                                              "cases; calibration is running on the verify workers.")
                 return redirect("verifier", verifier_id=verifier.pk)
     return render(request, "ui/verifier_new.html", {"form": form})
 

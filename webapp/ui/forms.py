@@ -164,6 +164,40 @@ class VerifierForm(forms.Form):
     config = forms.CharField(widget=forms.Textarea(attrs={"rows": 4}), required=False, initial="{}",
                              help_text="the kind's configuration as JSON")
     description = forms.CharField(widget=forms.Textarea(attrs={"rows": 2}), required=False)
+    calibration_cases = forms.CharField(
+        widget=forms.Textarea(attrs={"rows": 6, "class": "mono"}), required=False, label="calibration cases",
+        help_text='JSONL, one case per line: {"completion": "5", "reference": {"answer": "5"}, "expected": "pass", '
+                  '"label": "good"}; labels good, bad or hack. Include known-bad answers and hacks (an empty answer, '
+                  'a lone ":"): calibration measures false positives on them.')
+
+    def clean_calibration_cases(self) -> list[dict[str, Any]]:
+        cases, problems = [], []
+        for number, line in enumerate((self.cleaned_data.get("calibration_cases") or "").splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                case = json.loads(line)
+            except json.JSONDecodeError as exc:
+                problems.append(f"line {number}: not JSON ({exc.msg} at column {exc.colno})")
+                continue
+            if not isinstance(case, dict):
+                problems.append(f"line {number}: expected a JSON object")
+                continue
+            unknown = set(case) - {"prompt", "completion", "reference", "expected", "label", "note"}
+            if unknown:
+                problems.append(f"line {number}: unknown field(s) {', '.join(sorted(unknown))}")
+            if case.get("expected") not in ("pass", "fail"):
+                problems.append(f"line {number}: expected must be \"pass\" or \"fail\"")
+            if case.get("label", "good") not in ("good", "bad", "hack"):
+                problems.append(f"line {number}: label must be good, bad or hack")
+            if not isinstance(case.get("reference", {}), dict):
+                problems.append(f"line {number}: reference must be a JSON object")
+            cases.append({"prompt": str(case.get("prompt", "")), "completion": str(case.get("completion", "")),
+                          "reference": case.get("reference", {}), "expected": case.get("expected"),
+                          "label": case.get("label", "good"), "note": str(case.get("note", ""))[:300]})
+        if problems:
+            raise forms.ValidationError(problems)
+        return cases
 
     def clean_config(self) -> dict[str, Any]:
         text = self.cleaned_data.get("config") or "{}"

@@ -17,6 +17,7 @@ urlpatterns = [
     path("domains/", catalog_views.domains_list, name="domains"),
     path("domains/new/", catalog_views.domain_new, name="domain-new"),
     path("domains/<int:domain_id>/", catalog_views.domain_detail, name="domain"),
+    path("examples/<str:name>.jsonl", catalog_views.example_tasks, name="example-tasks"),
     path("verifiers/", catalog_views.verifiers_list, name="verifiers"),
     path("verifiers/new/", catalog_views.verifier_new, name="verifier-new"),
     path("verifiers/<int:verifier_id>/", catalog_views.verifier_detail, name="verifier"),

@@ -23,51 +23,14 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
-DOMAINS = ("addition", "multiplication")
-Split = Literal["train", "heldout"]
+from workers.policy.demo_tasks import DOMAINS, _split_pool, demo_tasks
+
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
-HELDOUT_FRACTION = 0.2
-# Pools are split by a fixed seed, independent of the caller's seed, so train and held-out never overlap.
-_SPLIT_SEED = 1234
-
-
-# --------------------------------------------------------------------------- tasks and scoring
-
-
-def _pool(domain: str) -> list[tuple[str, str]]:
-    if domain == "addition":
-        return [(f"{a}+{b}=", str(a + b)) for a in range(10, 100) for b in range(10, 100)]
-    if domain == "multiplication":
-        return [(f"{a}*{b}=", str(a * b)) for a in range(10, 100) for b in range(2, 10)]
-    raise ValueError(f"unknown demo domain {domain!r}; expected one of {', '.join(DOMAINS)}")
-
-
-def _split_pool(domain: str, split: Split) -> list[tuple[str, str]]:
-    pool = _pool(domain)
-    random.Random(f"{_SPLIT_SEED}:{domain}").shuffle(pool)
-    cut = int(len(pool) * HELDOUT_FRACTION)
-    if split == "heldout":
-        return pool[:cut]
-    if split == "train":
-        return pool[cut:]
-    raise ValueError(f"unknown split {split!r}; expected 'train' or 'heldout'")
-
-
-def demo_tasks(domain: str, n: int, seed: int = 0, split: Split = "train") -> list[dict[str, str]]:
-    """``n`` rows ``{"prompt", "answer"}`` of a demo domain, drawn with replacement when n exceeds the pool.
-
-    The held-out pool is disjoint from the train pool; the same (domain, n, seed, split) gives the same rows.
-    """
-    pool = _split_pool(domain, split)
-    rng = random.Random(f"{seed}:{domain}:{split}")
-    rows = rng.sample(pool, n) if n <= len(pool) else [rng.choice(pool) for _ in range(n)]
-    return [{"prompt": p, "answer": a} for p, a in rows]
-
 
 def extract_answer(completion: str) -> str:
     """The answer part of a completion: everything before the first newline or end-of-text, stripped."""

@@ -46,6 +46,7 @@
       }
     }
     if (stream.contiguous === null) stream.start(0);
+    window.temperLoaded = true;
   })();
 
   smoothingInput.addEventListener("input", () => {
