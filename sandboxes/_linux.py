@@ -213,10 +213,15 @@ CGROUP_ROOT = "/sys/fs/cgroup"
 
 @dataclass
 class CgroupSet:
-    """The per-execution cgroup directories (one for v2, one per controller for v1)."""
+    """The per-execution cgroup directories (one for v2, one per controller for v1).
+
+    A v1 set is recycled by its zygote for a later execution once it is verified empty (see `recycle`);
+    counters that cannot be reset are judged against the value they had when it was handed out.
+    """
 
     version: int
     dirs: dict[str, str]  # controller ("unified" for v2) -> directory
+    oom_kills_before: int = 0  # the OOM-kill counter when this execution got the set
 
     def procs_files(self) -> list[str]:
         return [os.path.join(d, "cgroup.procs") for d in dict.fromkeys(self.dirs.values())]
@@ -229,8 +234,12 @@ class CgroupSet:
             _write(os.path.join(d, "pids.max"), str(max_processes))
             return
         mem = self.dirs["memory"]
+        # memory+swap must stay >= memory at every step: raise it first when growing (the first write fails,
+        # harmlessly, when shrinking), lower it last when shrinking.
+        memsw = os.path.join(mem, "memory.memsw.limit_in_bytes")
+        _write_optional(memsw, str(memory_bytes))
         _write(os.path.join(mem, "memory.limit_in_bytes"), str(memory_bytes))
-        _write_optional(os.path.join(mem, "memory.memsw.limit_in_bytes"), str(memory_bytes))
+        _write_optional(memsw, str(memory_bytes))
         _write(os.path.join(self.dirs["pids"], "pids.max"), str(max_processes))
 
     def reset_peak(self) -> None:
@@ -258,7 +267,7 @@ class CgroupSet:
             events = _read_kv(os.path.join(self.dirs["unified"], "memory.events"))
             return events.get("oom_kill", 0) > 0 or (events.get("max", 0) > 0 and events.get("oom", 0) > 0)
         control = _read_kv(os.path.join(self.dirs["memory"], "memory.oom_control"))
-        if control.get("oom_kill", 0) > 0:
+        if control.get("oom_kill", 0) > self.oom_kills_before:
             return True
         return (_read_int(os.path.join(self.dirs["memory"], "memory.failcnt")) or 0) > 0 and bool(
             control.get("under_oom", 0))
@@ -271,6 +280,26 @@ class CgroupSet:
     def pids_limit_hit(self) -> bool:
         d = self.dirs["unified" if self.version == 2 else "pids"]
         return _read_kv(os.path.join(d, "pids.events")).get("max", 0) > 0
+
+    def recycle(self, memory_bytes: int, max_processes: int, max_leftover_bytes: int = 16 << 20) -> bool:
+        """Make this (v1) set ready for another execution: True when it is empty, holds little leftover
+        memory (page cache and kernel objects charged by the last execution) and has its limits and
+        counters reset; False when it should be removed instead. v2 sets are never recycled (memory.peak
+        cannot be reset on every kernel)."""
+        if self.version != 1 or any(_read_text(procs).strip() for procs in self.procs_files()):
+            return False
+        mem = self.dirs["memory"]
+        usage = _read_int(os.path.join(mem, "memory.usage_in_bytes"))
+        if usage is None or usage > max_leftover_bytes:
+            return False
+        try:
+            self.configure(memory_bytes, max_processes)
+            _write(os.path.join(mem, "memory.failcnt"), "0")
+            _write_optional(os.path.join(mem, "memory.memsw.failcnt"), "0")
+        except OSError:
+            return False
+        self.oom_kills_before = _read_kv(os.path.join(mem, "memory.oom_control")).get("oom_kill", 0)
+        return True
 
     def remove(self) -> None:
         for d in dict.fromkeys(self.dirs.values()):
@@ -290,8 +319,19 @@ class CgroupSet:
 
 
 def _write(path: str, value: str) -> None:
-    with open(path, "w") as f:
-        f.write(value)
+    fd = os.open(path, os.O_WRONLY)  # raw fds: no Python file objects in the zygote's hot loop
+    try:
+        os.write(fd, value.encode())
+    finally:
+        os.close(fd)
+
+
+def _read_text(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return ""
 
 
 def _write_optional(path: str, value: str) -> None:
@@ -393,6 +433,27 @@ class CgroupFactory:
             except OSError:
                 pass
         return CgroupFactory(1, parents)
+
+    def sweep_stale(self) -> None:
+        """Remove the empty per-execution cgroups of zygotes that are gone (killed before cleaning up)."""
+        for parent in self.parents.values():
+            try:
+                names = os.listdir(parent)
+            except OSError:
+                continue
+            for name in names:
+                parts = name.split("-")
+                if len(parts) != 3 or parts[0] != "run" or not parts[1].isdigit():
+                    continue
+                try:
+                    os.kill(int(parts[1]), 0)
+                    continue  # its zygote (or a process that reused the pid) is alive: not ours to judge
+                except ProcessLookupError:
+                    pass
+                except OSError:
+                    continue
+                with contextlib.suppress(OSError):
+                    os.rmdir(os.path.join(parent, name))  # fails (EBUSY) unless empty
 
     def works(self) -> bool:
         """Create, configure and remove one cgroup: the probe proper."""

@@ -201,7 +201,7 @@ def run_harness(receive_job: Callable[[], Job]) -> None:
     _int_repr, _float_repr = int.__repr__, float.__repr__
     _write, _exit, _waitpid, _spawnp = os.write, os._exit, os.waitpid, os.posix_spawnp
     _exitcode = os.waitstatus_to_exitcode
-    _kill, _closerange = os.kill, os.closerange
+    _kill, _closerange, _WNOHANG = os.kill, os.closerange, os.WNOHANG
     _is_init = os.getpid() == 1  # PID 1 of the sandbox's own PID namespace (not in the rlimits-only tier)
     _hmac_digest, _quote, _pack = _hashlib.hmac_digest, _json.encode_basestring_ascii, _struct.pack
     _format_exc = traceback.format_exception
@@ -376,11 +376,9 @@ def run_harness(receive_job: Callable[[], Job]) -> None:
     # returns the verdict without waiting for this process's own teardown (its memory, its namespaces).
     if _is_init:
         for _ in _range(256):
-            try:  # noqa: SIM105
-                _kill(-1, 9)
-            except _BaseException:
-                pass
             try:
+                _waitpid(-1, _WNOHANG)  # ChildProcessError: no child, so no other process in the namespace
+                _kill(-1, 9)
                 _waitpid(-1, 0)
             except _BaseException:
                 break  # no child left (or the code made waiting impossible: the kernel still kills them)

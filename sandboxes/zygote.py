@@ -78,6 +78,7 @@ MAX_ARTIFACT_BYTES = 8 << 20
 MAX_ARTIFACTS_TOTAL = 32 << 20
 START_STANDBY_TIMEOUT = 30.0
 STANDBY_NICE = 19
+SPARE_CGROUPS = 4
 F_SETPIPE_SZ = 1031
 REPORT_PIPE_BYTES = 1 << 20
 GO_FD = 4  # D reads its job here; closed before the untrusted code runs
@@ -149,6 +150,9 @@ class Zygote:
             cgroups = cgroups if tier == _linux.TIER_FULL else None
         self.tier = tier
         self.cgroups = cgroups
+        if cgroups is not None:
+            cgroups.sweep_stale()
+        self.spare_cgroups: list[_linux.CgroupSet] = []  # emptied, reset and ready for another execution
         self.namespaces = tier != _linux.TIER_RLIMITS
         self.drop_privileges = os.geteuid() == 0
         self.uid = UID_BASE + os.getpid() if self.drop_privileges else os.getuid()
@@ -267,7 +271,7 @@ class Zygote:
                     slot, cgroup = reaped.pop(ident)
                     released.discard(ident)
                     slots.pop(ident, None)
-                    self._cleanup_slot(slot, cgroup)
+                    self._cleanup_slot(slot, cgroup, recycle=True)
         except OSError:
             pass  # the owner closed the socket: same as quitting
         finally:
@@ -280,6 +284,8 @@ class Zygote:
                 self._cleanup_slot(slot, cgroup)
             for slot, cgroup in reaped.values():
                 self._cleanup_slot(slot, cgroup)
+            for cgroup in self.spare_cgroups:
+                cgroup.remove()
             if not self.namespaces:
                 import shutil
 
@@ -303,7 +309,9 @@ class Zygote:
         os.chmod(workdir, 0o1777)  # sticky: the code cannot delete or rename root's read-only inputs
         cgroup = None
         try:
-            if self.cgroups is not None:
+            if self.spare_cgroups:
+                cgroup = self.spare_cgroups.pop()
+            elif self.cgroups is not None:
                 cgroup = self.cgroups.create(DEFAULT_LIMITS.memory_bytes, DEFAULT_LIMITS.max_processes)
             go_r, go_w = os.pipe()
             out_r, out_w = os.pipe()
@@ -343,7 +351,9 @@ class Zygote:
             os.set_blocking(fd, False)
         return pid, self.counter, slot, cgroup, [os.pidfd_open(pid), go_w, stdin_fd, out_r, err_r, rep_r]
 
-    def _cleanup_slot(self, slot: str, cgroup: _linux.CgroupSet | None) -> None:
+    def _cleanup_slot(self, slot: str, cgroup: _linux.CgroupSet | None, recycle: bool = False) -> None:
+        """Unmount and remove a slot whose sandbox has been reaped (its namespace is empty); recycle its
+        cgroup for a later execution when it can be (saves a mkdir and rmdir per controller), else remove it."""
         if self.namespaces:
             with contextlib.suppress(OSError):
                 _linux.umount(slot)
@@ -354,7 +364,11 @@ class Zygote:
 
             shutil.rmtree(slot, ignore_errors=True)
         if cgroup is not None:
-            cgroup.remove()
+            if recycle and len(self.spare_cgroups) < SPARE_CGROUPS and cgroup.recycle(
+                    DEFAULT_LIMITS.memory_bytes, DEFAULT_LIMITS.max_processes):
+                self.spare_cgroups.append(cgroup)
+            else:
+                cgroup.remove()
 
     # ------------------------------------------------------------ inside the sandbox
 

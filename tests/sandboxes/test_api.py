@@ -106,6 +106,23 @@ def test_artifacts_are_collected_after_an_oom_kill(pool: SandboxPool) -> None:
     assert [a.path for a in result.artifacts] == ["before-oom.txt"]
 
 
+def test_memory_limits_above_and_below_the_default_and_recycled_cgroups(pool: SandboxPool) -> None:
+    if probe_tier() != "namespaces+cgroup":
+        pytest.skip("needs a memory cgroup")
+
+    def alloc(mib: int, **limits: int) -> str:
+        code = f"x = bytearray({mib} << 20)\nprint(len(x) >> 20)\n"
+        return pool.run(SandboxSpec(code=code, limits=Limits(**limits))).status  # type: ignore[arg-type]
+
+    assert alloc(600, memory_bytes=1 << 30) == "ok"  # above the default 512 MiB
+    assert alloc(100, memory_bytes=64 << 20) == "memory_limit"
+    # Cgroups are recycled between executions: each gets the default limits back, and an earlier
+    # execution's OOM kill never counts against a later one.
+    assert [alloc(100) for _ in range(6)] == ["ok"] * 6
+    assert alloc(600) == "memory_limit"
+    assert alloc(100) == "ok"
+
+
 def test_command_runs_after_the_code_in_the_same_work_directory(pool: SandboxPool) -> None:
     result = pool.run(SandboxSpec(
         code="open('answer.txt', 'w').write('42')\nprint('code output')\n",
