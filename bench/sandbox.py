@@ -6,9 +6,13 @@ through exactly the path verification uses: `SandboxPool.run(SandboxSpec(code, e
 the full isolation of the tier (namespaces, cgroup, rlimits, scrubbed environment, a fresh process and
 work directory per execution, the authenticated report). The naive baseline isolates nothing.
 
-    python bench/sandbox.py [--pool-runs 400] [--naive-runs 40]
+Both sides get the same concurrency: `--concurrency N` runs N executions at a time on each side (N
+threads; the pool has N warm zygotes). With 1 (the default) each side runs one execution after the
+other; the pool's zygote still prepares the next sandbox while one runs — that is the design.
 
-Ends with one line: `result: pool_p50_ms=… pool_p95_ms=… … throughput_ratio=… tier=…`.
+    python bench/sandbox.py [--pool-runs 400] [--naive-runs 40] [--concurrency 1]
+
+Ends with one line: `result: pool_p50_ms=… pool_p95_ms=… … throughput_ratio=… concurrency=… tier=…`.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -60,12 +66,33 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
+def run_block(n: int, concurrency: int, one: Callable[[], None], latencies: list[float]) -> float:
+    """Run `one` n times, `concurrency` at a time; append each latency; return the block's wall time."""
+
+    def timed(_: int) -> None:
+        t = time.perf_counter()
+        one()
+        latencies.append(time.perf_counter() - t)
+
+    start = time.perf_counter()
+    if concurrency == 1:
+        for i in range(n):
+            timed(i)
+    else:
+        with ThreadPoolExecutor(concurrency) as executor:
+            list(executor.map(timed, range(n)))
+    return time.perf_counter() - start
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pool-runs", type=int, default=400)
     parser.add_argument("--naive-runs", type=int, default=40)
     parser.add_argument("--blocks", type=int, default=8, help="interleaved blocks of pool and naive runs")
+    parser.add_argument("--concurrency", type=int, default=1,
+                        help="executions at a time, on each side (the pool gets this many zygotes)")
     args = parser.parse_args()
+    concurrency = max(1, args.concurrency)
 
     spec = SandboxSpec(code=SOLUTION, epilogue=TESTS)
     naive_argv = [sys.executable, "-c", SOLUTION + TESTS]
@@ -74,34 +101,28 @@ def main() -> None:
     pool_busy = naive_busy = 0.0
     pool_cpu = pool_owner_cpu = naive_cpu = 0.0  # CPU seconds spent by the zygote tree / this process on pool runs
 
-    with SandboxPool(size=1) as pool:
-        for _ in range(20):  # warm-up (page cache, standbys)
-            result = pool.run(spec)
-            assert result.passed, result.to_dict()
+    def pooled() -> None:
+        result = pool.run(spec)
+        if not result.passed:
+            raise SystemExit(f"the pool gave a wrong verdict: {result.to_dict()}")
+
+    def naive() -> None:
+        subprocess.run(naive_argv, check=True, capture_output=True)
+
+    with SandboxPool(size=concurrency) as pool:
+        run_block(20 * concurrency, concurrency, pooled, [])  # warm-up (page cache, every zygote's standbys)
         subprocess.run(naive_argv, check=True)
-        zygote = pool.zygote_pids[0]
         for block in range(args.blocks):
             n_pool = args.pool_runs // args.blocks + (block < args.pool_runs % args.blocks)
             n_naive = args.naive_runs // args.blocks + (block < args.naive_runs % args.blocks)
-            zygote_before, own_before = tree_cpu_seconds(zygote), own_cpu_seconds()
-            start = time.perf_counter()
-            for _ in range(n_pool):
-                t = time.perf_counter()
-                result = pool.run(spec)
-                pool_latencies.append(time.perf_counter() - t)
-                if not result.passed:
-                    raise SystemExit(f"the pool gave a wrong verdict: {result.to_dict()}")
-            pool_busy += time.perf_counter() - start
+            zygotes_before = sum(tree_cpu_seconds(z) for z in pool.zygote_pids)
+            own_before = own_cpu_seconds()
+            pool_busy += run_block(n_pool, concurrency, pooled, pool_latencies)
             time.sleep(0.05)  # let the zygote reap and clean up after the block's last execution
-            pool_cpu += tree_cpu_seconds(zygote) - zygote_before
+            pool_cpu += sum(tree_cpu_seconds(z) for z in pool.zygote_pids) - zygotes_before
             pool_owner_cpu += own_cpu_seconds() - own_before
             children_before = resource.getrusage(resource.RUSAGE_CHILDREN)
-            start = time.perf_counter()
-            for _ in range(n_naive):
-                t = time.perf_counter()
-                subprocess.run(naive_argv, check=True, capture_output=True)
-                naive_latencies.append(time.perf_counter() - t)
-            naive_busy += time.perf_counter() - start
+            naive_busy += run_block(n_naive, concurrency, naive, naive_latencies)
             children_after = resource.getrusage(resource.RUSAGE_CHILDREN)
             naive_cpu += (children_after.ru_utime + children_after.ru_stime
                           - children_before.ru_utime - children_before.ru_stime)
@@ -117,9 +138,9 @@ def main() -> None:
     ]
     print(f"sandbox benchmark — tier {tier}, {os.cpu_count()} CPUs, load average "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    print(f"{'path':<22} {'runs':>6} {'p50 ms':>9} {'p95 ms':>9} {'mean ms':>9} {'exec/s':>9}")
+    print(f"{'path':<22} {'at once':>7} {'runs':>6} {'p50 ms':>9} {'p95 ms':>9} {'mean ms':>9} {'exec/s':>9}")
     for name, latencies, eps in rows:
-        print(f"{name:<22} {len(latencies):>6} {percentile(latencies, 0.5) * 1e3:>9.2f} "
+        print(f"{name:<22} {concurrency:>7} {len(latencies):>6} {percentile(latencies, 0.5) * 1e3:>9.2f} "
               f"{percentile(latencies, 0.95) * 1e3:>9.2f} {statistics.fmean(latencies) * 1e3:>9.2f} {eps:>9.1f}")
     cpu_ms = (pool_cpu + pool_owner_cpu) / len(pool_latencies) * 1e3
     print(f"pool CPU per execution: {cpu_ms:.2f} ms (zygote and sandboxes "
@@ -140,6 +161,7 @@ def main() -> None:
         f"start_p50_ms={stats['start_latency_p50_ms']:.2f} "
         f"pool_cpu_ms_per_exec={cpu_ms:.2f} "
         f"naive_cpu_ms_per_exec={naive_cpu / len(naive_latencies) * 1e3:.2f} "
+        f"concurrency={concurrency} "
         f"tier={tier}"
     )
 

@@ -327,11 +327,17 @@ def _write(path: str, value: str) -> None:
 
 
 def _read_text(path: str) -> str:
+    """A small kernel file's content ("" when unreadable), through a raw fd (no Python file object)."""
     try:
-        with open(path) as f:
-            return f.read()
+        fd = os.open(path, os.O_RDONLY)
     except OSError:
         return ""
+    try:
+        return os.read(fd, 1 << 16).decode()
+    except OSError:
+        return ""
+    finally:
+        os.close(fd)
 
 
 def _write_optional(path: str, value: str) -> None:
@@ -341,22 +347,17 @@ def _write_optional(path: str, value: str) -> None:
 
 def _read_int(path: str) -> int | None:
     try:
-        with open(path) as f:
-            return int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
+        return int(_read_text(path).split()[0])
+    except (ValueError, IndexError):
         return None
 
 
 def _read_kv(path: str) -> dict[str, int]:
     out: dict[str, int] = {}
-    try:
-        with open(path) as f:
-            for line in f:
-                parts = line.split()
-                if len(parts) == 2 and parts[1].lstrip("-").isdigit():
-                    out[parts[0]] = int(parts[1])
-    except OSError:
-        pass
+    for line in _read_text(path).splitlines():
+        parts = line.split()
+        if len(parts) == 2 and parts[1].lstrip("-").isdigit():
+            out[parts[0]] = int(parts[1])
     return out
 
 

@@ -75,11 +75,11 @@ class Runner:
                                                                DEFAULT_LIMITS.max_processes):
                 standby.cgroup.configure(limits.memory_bytes, limits.max_processes)
             standby.cgroup.reset_peak()
-        _put(self.path(standby, "main.py"), spec.code, 0o444, None)
+        _put(self.path(standby, "main.py"), spec.code, 0o444, None, nested=False)
         for name, content in spec.files.items():
-            _put(self.path(standby, "work", name), content, 0o444, None)
+            _put(self.path(standby, "work", name), content, 0o444, None, nested="/" in name)
         for name, content in spec.writable_files.items():
-            _put(self.path(standby, "work", name), content, 0o644, self.uid)
+            _put(self.path(standby, "work", name), content, 0o644, self.uid, nested="/" in name)
         if spec.stdin:
             _write_all(standby.stdin_fd, spec.stdin)
             os.lseek(standby.stdin_fd, 0, os.SEEK_SET)  # D's fd 0 shares this file offset
@@ -110,6 +110,7 @@ class Runner:
         # the harness, done, closes every fd — one wake-up, not one per frame.
         poller.register(standby.rep_r, 0)
         exited = finished = False
+        messages: list[dict[str, Any]] | None = None  # the verified report, once complete
         while not (exited or finished) and reason is None:
             timeout_ms = max(0, int((deadline - time.monotonic()) * 1000) + 1)
             events = poller.poll(min(timeout_ms, 1000))
@@ -123,7 +124,8 @@ class Runner:
                     poller.unregister(fd)  # it stays hung up: watch the process from here on
                     _drain(fd, report, MAX_REPORT_BYTES)
                     # Without a cgroup the CPU time comes from the zygote's wait: wait for the exit then.
-                    finished = standby.cgroup is not None and _has_end(key, report)
+                    messages = _complete_report(key, report) if standby.cgroup is not None else None
+                    finished = messages is not None
                 elif fd in open_fds:
                     buffer = open_fds[fd]
                     if not _drain(fd, buffer, caps[fd]):
@@ -160,7 +162,7 @@ class Runner:
             del stderr[limits.max_output_bytes :]
 
         harness_report, start_t, report_error, end_exit = parse_report(key, bytes(report), statements,
-                                                                       spec.command is not None)
+                                                                       spec.command is not None, messages)
         cgroup = standby.cgroup
         cpu: float | None = None
         maxrss = 0
@@ -213,8 +215,9 @@ class Runner:
                 os.killpg(standby.pid, signal.SIGKILL)
 
 
-def _put(path: str, content: str | bytes, mode: int, owner: int | None) -> None:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+def _put(path: str, content: str | bytes, mode: int, owner: int | None, nested: bool = True) -> None:
+    if nested:  # (a file at the top of the slot or work directory needs no parent made)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
     data = content.encode() if isinstance(content, str) else content
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
@@ -249,13 +252,13 @@ def _drain(fd: int, buffer: bytearray, cap: int) -> bool:
     return True
 
 
-def _has_end(key: bytes, data: bytearray) -> bool:
-    """Whether the report is an untampered stream ending with the harness's "end" frame."""
+def _complete_report(key: bytes, data: bytearray) -> list[dict[str, Any]] | None:
+    """The report's frames when it is an untampered stream ending with the harness's "end" frame."""
     try:
         messages = decode_frames(key, bytes(data))
     except ReportTampered:
-        return False
-    return bool(messages) and messages[-1].get("k") == "end"
+        return None
+    return messages if messages and messages[-1].get("k") == "end" else None
 
 
 def verdict(
@@ -288,11 +291,13 @@ def verdict(
     return "nonzero_exit", exit_code, None, None
 
 
-def parse_report(key: bytes, data: bytes, statements: list[Any], has_command: bool
+def parse_report(key: bytes, data: bytes, statements: list[Any], has_command: bool,
+                 decoded: list[dict[str, Any]] | None = None
                  ) -> tuple[HarnessReport | None, float | None, str | None, int | None]:
-    """The harness report from the verified frames; None when the stream was tampered with."""
+    """The harness report from the verified frames (`decoded`: `data` already verified and decoded);
+    None when the stream was tampered with."""
     try:
-        messages = decode_frames(key, data)
+        messages = decoded if decoded is not None else decode_frames(key, data)
     except ReportTampered as exc:
         return None, None, f"report channel tampered with ({exc}); report discarded", None
     expected = ["start", "code"] + ["stmt"] * len(statements) + ["epilogue"]
