@@ -55,8 +55,13 @@ def test_tokenizer_is_byte_level_and_round_trips(demo_dir: Path) -> None:
 
 
 @pytest.mark.slow
-def test_build_is_deterministic_and_mediocre(tmp_path: Path) -> None:
-    """The CLI rebuilds the committed model bit for bit, within 5 minutes, landing at 30-50 % held-out."""
+def test_build_is_mediocre_like_the_committed_model(tmp_path: Path) -> None:
+    """The CLI rebuilds the model within 5 minutes, landing at 30-50 % held-out like the committed one.
+
+    Not bit for bit against the committed file: float kernels differ between CPUs (on an AMD EPYC the
+    rebuild chose step 520 at 35 %, the committed build step 540 at 33.7 %). Determinism on one machine
+    is the next test's job.
+    """
     started = time.monotonic()
     proc = subprocess.run(
         [sys.executable, "-m", "workers.policy.demo_model", str(tmp_path / "demo")],
@@ -68,8 +73,26 @@ def test_build_is_deterministic_and_mediocre(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert time.monotonic() - started < 300
     assert "held-out exact match addition" in proc.stderr
-    built = (tmp_path / "demo" / "model.safetensors").read_bytes()
-    assert built == (DEMO_DIR / "model.safetensors").read_bytes()
     report = json.loads((tmp_path / "demo" / "build_report.json").read_text())
+    committed = json.loads((DEMO_DIR / "build_report.json").read_text())
     assert 0.30 <= report["heldout_exact_match"]["addition"] <= 0.50
     assert report["heldout_exact_match"]["multiplication"] < report["heldout_exact_match"]["addition"]
+    assert report["parameters"] == committed["parameters"]
+
+
+@pytest.mark.slow
+def test_build_is_deterministic_on_one_machine(tmp_path: Path) -> None:
+    """Two short builds with the same seed write the same bytes."""
+    import torch
+
+    from workers.policy.demo_model import build_demo_model
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for name in ("a", "b"):
+            build_demo_model(tmp_path / name, seed=3, max_steps=100, eval_every=100, target=(0.0, 1.0))
+    finally:
+        torch.set_num_threads(threads)
+    first = (tmp_path / "a" / "model.safetensors").read_bytes()
+    assert first == (tmp_path / "b" / "model.safetensors").read_bytes()
