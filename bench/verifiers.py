@@ -7,8 +7,9 @@ a naive one-subprocess-per-answer harness on the same HumanEval answers.
 The naive harness is what many RL stacks do: ``subprocess.run([sys.executable, "-c", code + tests])`` per
 answer, pass = exit code 0. It has no isolation and is fooled by ``sys.exit(0)`` (see
 tests/verifiers/test_python_tests.py); it is measured here only for speed. Both harnesses run the same
-answers sequentially after a short warm-up (a sandbox worker keeps its pool warm, and the naive harness
-gets a warm page cache). The last line is machine-readable: ``result: key=value …``.
+answers one at a time ("at once" 1 in the table) after a short warm-up (a sandbox worker keeps its pool
+warm, and the naive harness gets a warm page cache); with ``--threads N`` both are also run N at a time.
+The last line is machine-readable: ``result: key=value …``.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class Measurement:
     seconds: float
     latencies_ms: list[float]
     correct: int | None = None
+    concurrency: int = 1  # judgments in flight at once
 
     @property
     def per_second(self) -> float:
@@ -64,7 +66,7 @@ def timed(name: str, fn: Callable[[Any], bool], items: Sequence[Any], warmup: in
             results = list(pool.map(one, items))
     seconds = time.perf_counter() - start
     correct = None if expected is None else sum(r == e for r, e in zip(results, expected, strict=True))
-    return Measurement(name, len(items), seconds, latencies, correct)
+    return Measurement(name, len(items), seconds, latencies, correct, threads)
 
 
 def judge_fn(kind: str, config: dict[str, Any], **kw: Any) -> Callable[[JudgeInput], bool]:
@@ -154,11 +156,12 @@ def python_tests_comparison(problems: int, threads: int) -> list[Measurement]:
 
 
 def table(measurements: Sequence[Measurement]) -> str:
-    head = f"{'verifier':<46} {'n':>5} {'seconds':>8} {'judg/s':>9} {'p50 ms':>8} {'p95 ms':>8} {'correct':>8}"
+    head = (f"{'verifier':<46} {'at once':>7} {'n':>5} {'seconds':>8} {'judg/s':>9} {'p50 ms':>8} {'p95 ms':>8} "
+            f"{'correct':>8}")
     lines = [head, "-" * len(head)]
     for m in measurements:
         correct = "" if m.correct is None else f"{m.correct}/{m.n}"
-        lines.append(f"{m.name:<46} {m.n:>5} {m.seconds:>8.2f} {m.per_second:>9.1f} "
+        lines.append(f"{m.name:<46} {m.concurrency:>7} {m.n:>5} {m.seconds:>8.2f} {m.per_second:>9.1f} "
                      f"{percentile(m.latencies_ms, 50):>8.2f} {percentile(m.latencies_ms, 95):>8.2f} {correct:>8}")
     return "\n".join(lines)
 

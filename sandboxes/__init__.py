@@ -5,9 +5,10 @@
     result.passed, result.status, result.report
 
 What IS isolated, in the "namespaces+cgroup" tier (root, or a machine that allows it):
-- PID namespace: the code runs as PID 1 of its own namespace and sees only its own processes; when it
-  ends (or is killed) the kernel kills everything left in the namespace — daemons, grandchildren, fork
-  bombs — before the verdict is returned. (Being init, signals it sends itself with the default action
+- PID namespace: the code runs as PID 1 of its own namespace and sees only its own processes; before
+  the verdict is returned everything else in the namespace — daemons, grandchildren, fork bombs — has
+  been killed: by the harness, which kills and reaps them once the epilogue and command are done, or by
+  the kernel when the init ends or is killed. (Being init, signals it sends itself with the default action
   are ignored; the kernel's own — the hard CPU limit's SIGKILL, a segfault — still kill it.)
 - Network namespace with no interface up: no network at all, not even the host's loopback services.
 - Mount namespace: the whole system root is read-only and nosuid; /tmp is a fresh tmpfs of
@@ -23,15 +24,19 @@ What IS isolated, in the "namespaces+cgroup" tier (root, or a machine that allow
   machines have v1); rlimits for CPU time, file size, open files, core dumps; wall time and stdout/stderr bytes enforced from outside by the owner process (the pool),
   which reads the output while it runs and kills the whole namespace on a limit.
 - Fresh state by construction: each execution is a new process forked from a pristine zygote, with a new
-  tmpfs, cgroup and namespaces, used once and destroyed.
+  tmpfs and namespaces, used once and destroyed; its cgroup is new, or one its zygote recycled after
+  verifying it empty, with the limits and counters reset.
 - Inputs in `SandboxSpec.files` are root-owned 0444 in a sticky directory: the code cannot modify,
   delete or rename them.
 - The verdict is computed outside the sandbox from the process status and an HMAC-authenticated report
   stream (see `sandboxes.harness`); stdout and the exit code alone are never trusted.
 
 How it is fast: a warm zygote per runtime keeps two sandboxes pre-forked and fully isolated, waiting for
-a job (`sandboxes.zygote`); the owner hands one a job, supervises it and judges it (`sandboxes.runner`),
-so an execution costs no interpreter start, no namespace set-up and no import on its path.
+a job with the harness already set up (`sandboxes.zygote`); the owner hands one a job (the epilogue
+already compiled, once per distinct text), supervises it and judges it (`sandboxes.runner`), so an
+execution costs no interpreter start, no namespace set-up, no import and no parse of trusted code on its
+path — and the verdict is returned as soon as the authenticated report is complete, while the kernel is
+still tearing the sandbox's process and namespaces down.
 
 What is NOT isolated:
 - The kernel is shared (no seccomp filter, no gVisor/VM): a kernel exploit escapes.

@@ -37,12 +37,20 @@ epilogue writes) and calibrate against known hacks.
 
 from __future__ import annotations
 
+import _hashlib
+import _json
 import ast
+import builtins
 import functools
 import hmac
 import json
 import marshal
+import os
 import struct
+import sys
+import time
+import traceback
+import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -186,15 +194,8 @@ def run_harness(receive_job: Callable[[], Job]) -> None:
     them (json.dumps, hmac.new, builtins.enumerate, subprocess.run, ...).
     """
     # try/except instead of contextlib.suppress throughout: contextlib is a Python module the code can patch.
-    import _hashlib
-    import _json
-    import builtins
-    import os
-    import struct as _struct
-    import sys
-    import traceback
-    import types
-
+    # (The modules are this module's own imports: import statements here would run the import machinery
+    # in every sandbox.)
     _exec, _compile, _isinstance, _str, _type, _len = exec, compile, isinstance, str, type, len
     _BaseException, _SystemExit, _RuntimeError = BaseException, SystemExit, RuntimeError
     _int, _bool, _float, _tuple, _range = int, bool, float, tuple, range
@@ -203,11 +204,11 @@ def run_harness(receive_job: Callable[[], Job]) -> None:
     _exitcode = os.waitstatus_to_exitcode
     _kill, _closerange, _WNOHANG = os.kill, os.closerange, os.WNOHANG
     _is_init = os.getpid() == 1  # PID 1 of the sandbox's own PID namespace (not in the rlimits-only tier)
-    _hmac_digest, _quote, _pack = _hashlib.hmac_digest, _json.encode_basestring_ascii, _struct.pack
+    _hmac_digest, _quote, _pack = _hashlib.hmac_digest, _json.encode_basestring_ascii, struct.pack
     _format_exc = traceback.format_exception
     _dict_clear, _dict_update = dict.clear, dict.update
     _builtins_dict = builtins.__dict__
-    _builtins_snapshot = dict(_builtins_dict)
+    _builtins_snapshot = dict(_builtins_dict)  # (copying them here, before the job, copies their pages too)
     _command_env = dict(os.environ)
     _report_fd, _blocked = REPORT_FD, BLOCKED_EVENTS
     _max_frame = MAX_FRAME_BYTES
@@ -283,8 +284,6 @@ def run_harness(receive_job: Callable[[], Job]) -> None:
             args[0].endswith("/mem") or "/map_files/" in args[0]
         ):
             raise _RuntimeError("process memory is not accessible in the sandbox")
-
-    import time
 
     _monotonic = time.monotonic
     main = types.ModuleType("__main__")

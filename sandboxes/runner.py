@@ -3,9 +3,11 @@
 Runs in the process that owns the pool (a Celery worker, a test, the CLI) — outside every sandbox. Given
 a standby (fds and pid received from the zygote), it writes the inputs into the standby's work directory,
 sends the job, enforces the wall clock and the output caps while reading, kills the whole namespace on a
-limit, then computes the verdict from what it observed (D's wait status from the namespace's init, cgroup
-counters, the authenticated report) and collects the artifacts, never following a link out of the work
-directory.
+limit, then computes the verdict from what it observed (the authenticated report, cgroup counters, and
+the init's wait status when the report is incomplete) and collects the artifacts, never following a link
+out of the work directory. A complete report (the harness's "end" frame, then the report pipe hung up:
+the harness has killed and reaped everything else and closed its fds) is the verdict's cue — the kernel's
+teardown of the process and its namespaces is not waited for.
 
 Doing this in the owner rather than in the zygote saves two process hand-offs per execution.
 """

@@ -6,15 +6,18 @@ children copy fewer pages) and then keeps `standbys` sandboxes handed out ahead 
 SOCK_SEQPACKET socket (their fds passed with SCM_RIGHTS). Making one:
 
   slot      a fresh tmpfs (size: the disk limit) holding the work directory (root, sticky 1777) — later
-            also the code and the inputs — and a fresh cgroup (memory, pids, cpuacct);
+            also the code and the inputs — and a cgroup (memory, pids, cpuacct): a new one, or one
+            recycled from a reaped sandbox once verified empty, limits and counters reset;
   fork      the sandbox process, PID 1 of a new PID namespace (unshare(CLONE_NEWPID) before the fork,
-            setns back after). At nice 19 (the owner renices it when it hands it a job) it joins the
-            cgroup, unshares mount, network, IPC and UTS namespaces, puts its slot alone on /tmp,
-            covers any directory the sandbox uid cannot enter but the interpreter lives in (pyenv under
-            /root) with a tmpfs that re-exposes only the interpreter, makes the whole mount tree
+            setns back after; forked without at-fork handlers, see `_linux.fork_without_handlers`).
+            At nice 19 (the owner renices it when it hands it a job) it joins the
+            cgroup, unshares mount, network, IPC and UTS namespaces, puts its slot alone on /tmp (a
+            directory the sandbox uid cannot enter but the interpreter lives in, pyenv under /root, is
+            already covered in the zygote's mount namespace by a tmpfs that re-exposes only the
+            interpreter), makes the whole mount tree
             read-only/nosuid/private, re-allows writes on /tmp (noexec), mounts a fresh /proc, scrubs the
             environment, drops to a per-zygote unmapped uid with no groups, no_new_privs and
-            non-dumpable, keeps only fds 0-4 and waits for its job on fd 4.
+            non-dumpable, keeps only fds 0-4, sets up the harness and waits for its job on fd 4.
 
 The owner (`sandboxes.runner`) writes the inputs, sends the job, supervises and judges. The zygote, the
 sandbox's parent, reaps it and reports how it ended ({"exited": id, ...}), and when the owner releases
@@ -134,10 +137,9 @@ class Standby:
 
 
 class Zygote:
-    """Serves requests (the parent) while its forked twin, the forker, prepares standbys.
-
-    Both are copies of the same pristine interpreter; the forker does all the forking, mounting, cgroup
-    making, reaping and cleaning, so none of that sits between a request and its answer.
+    """Makes the standbys, reaps them and cleans up after them, ahead of and behind the owner's requests:
+    the forking, mounting, cgroup making, reaping and cleaning happen here, in the background, so none of
+    it sits between a job and its verdict.
     """
 
     def __init__(self, sock: socket.socket | None, owner_pid: int, forced_tier: str | None,
