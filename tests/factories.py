@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from webapp.catalog.models import BaseModel, CalibrationStatus, TaskDomain, Verifier
-from webapp.runs.models import Run
+from webapp.runs.models import Evaluation, PolicyVersion, Run
 from webapp.runs.services import DomainWeight, do_create_run
 
 
@@ -28,3 +28,12 @@ def run(owner: Any, calibrated: bool = True, name: str = "r1") -> Run:
     v = verifier(owner, name=f"v-{name}", calibrated=calibrated)
     d = domain(owner, name=f"d-{name}", verifier_row=v)
     return do_create_run(owner, name=name, base_model=base_model(owner, name=f"bm-{name}"), domains=[DomainWeight(d)])
+
+
+def evaluation(version: PolicyVersion, domain: TaskDomain, scores: list[float], suite: str = "heldout") -> Evaluation:
+    """A finished evaluation of ``version`` on ``domain``: task i scored ``scores[i]`` (tasks keyed "t<i>")."""
+    return Evaluation.objects.create(
+        version=version, domain=domain, suite=suite, status=Evaluation.Status.DONE, n_tasks=len(scores),
+        score=sum(scores) / len(scores), pass_rate=sum(s >= 1.0 for s in scores) / len(scores),
+        results={"greedy": True, "tasks": [[f"t{i}", s] for i, s in enumerate(scores)]},
+    )

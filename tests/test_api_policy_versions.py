@@ -12,12 +12,18 @@ pytestmark = pytest.mark.django_db
 
 @pytest.fixture
 def versions(user):
+    """v0 (the base model) to v3, each evaluated a little better than the last, so the gate lets them pass."""
     run = factories.run(user)
-    return [PolicyVersion.objects.create(run=run, number=n, step=n) for n in (1, 2, 3)]
+    domain = run.run_domains.get().domain
+    rows = [PolicyVersion.objects.create(run=run, number=n, step=n) for n in (0, 1, 2, 3)]
+    for n, row in enumerate(rows):
+        factories.evaluation(row, domain, [1.0] * (10 * n) + [0.0] * (40 - 10 * n))
+    return rows[1:]
 
 
 def test_list_is_scoped_to_the_owner(api, other_api, versions):
-    assert [v["number"] for v in api.get(f"/api/v1/policy-versions/?run={versions[0].run_id}").json()["results"]] == [1, 2, 3]
+    assert [v["number"] for v in api.get(f"/api/v1/policy-versions/?run={versions[0].run_id}").json()["results"]] == [
+        0, 1, 2, 3]
     assert other_api.get("/api/v1/policy-versions/").json()["count"] == 0
     assert other_api.post(f"/api/v1/policy-versions/{versions[0].pk}/promote/", {}, format="json").status_code == 404
 

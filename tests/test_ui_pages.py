@@ -38,8 +38,11 @@ def busy_run(user: Any) -> Run:
                    Point("loss", step, 1 / step), Point("trajectories_per_s", step, 12.5),
                    Point("custom_metric", step, 3.0)]
     record_points(run.pk, points)
-    v1 = PolicyVersion.objects.create(run=run, number=1, step=1)
-    PolicyVersion.objects.create(run=run, number=2, step=2, parent=v1)
+    v0 = PolicyVersion.objects.create(run=run, number=0, step=0)
+    v1 = PolicyVersion.objects.create(run=run, number=1, step=1, parent=v0)
+    v2 = PolicyVersion.objects.create(run=run, number=2, step=2, parent=v1)
+    for n, v in enumerate((v0, v1, v2)):
+        factories.evaluation(v, domain, [1.0] * (10 * n + 5) + [0.0] * (35 - 10 * n))
     for i in range(4):
         Trajectory.objects.create(run=run, domain=domain, group_key="g1", sample_index=i, version=1,
                                   prompt="2+3=", completion="5" if i % 2 else "6\n" * 40, verdict="pass" if i % 2 else "fail",
@@ -238,7 +241,7 @@ def test_verifier_page_shows_calibration_report(client_in: Client, user: Any) ->
 
 
 def test_promote_and_roll_back_from_the_versions_page(client_in: Client, busy_run: Run) -> None:
-    v1, v2 = PolicyVersion.objects.filter(run=busy_run).order_by("number")
+    v0, v1, v2 = PolicyVersion.objects.filter(run=busy_run).order_by("number")
     client_in.post(reverse("version-promote", args=[v1.pk]), {"alias": "production"})
     client_in.post(reverse("version-promote", args=[v2.pk]), {"alias": "production"})
     html = client_in.get(reverse("versions")).content.decode()
@@ -247,6 +250,10 @@ def test_promote_and_roll_back_from_the_versions_page(client_in: Client, busy_ru
                                                                              "next": "https://evil.example/"})
     last = AliasEvent.objects.filter(alias="production").order_by("-id").first()
     assert last is not None and last.action == "rollback" and last.version == v1
+    # the gate refuses the base model over v1 (a drop beyond noise) and the page says why
+    response = client_in.post(reverse("version-promote", args=[v0.pk]), {"alias": "production"}, follow=True)
+    assert "promotion gate refuses v0" in response.content.decode()
+    assert AliasEvent.objects.filter(alias="production").order_by("-id").first() == last
 
 
 def test_trajectory_page_shows_verdict_sandbox_and_group(client_in: Client, busy_run: Run) -> None:

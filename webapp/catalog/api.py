@@ -64,9 +64,21 @@ class OwnedSerializer(TemperModelSerializer):
 
 
 class BaseModelSerializer(OwnedSerializer):
+    promotion_gate = JSONObjectField(required=False, help_text="What promotion to production/canary requires: "
+                                     "{\"aliases\", \"require_no_regression\", \"min_gain\", \"suite\"}")
+
     class Meta:
         model = BaseModel
-        fields = ["id", "name", "path", "description", "chat_template", "parameters", "created_at", "updated_at"]
+        fields = ["id", "name", "path", "description", "chat_template", "parameters", "promotion_gate", "created_at",
+                  "updated_at"]
+
+    def validate_promotion_gate(self, value: dict[str, Any]) -> dict[str, Any]:
+        from webapp.runs.evaluation import gate_config
+
+        try:
+            return gate_config(value).model_dump()
+        except ValidationFailed as exc:
+            raise serializers.ValidationError([f"{k}: {'; '.join(v)}" for k, v in (exc.details or {}).items()]) from None
 
 
 class CalibrationReportSerializer(serializers.ModelSerializer):

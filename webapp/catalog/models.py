@@ -22,6 +22,11 @@ class BaseModel(OwnedModel):
     description = models.TextField(blank=True)
     chat_template = models.TextField(blank=True, help_text="Overrides the tokenizer's chat template when set")
     parameters = models.BigIntegerField(null=True, blank=True)
+    promotion_gate = models.JSONField(
+        default=dict, blank=True,
+        help_text="What promotion to a gated alias requires (webapp/runs/evaluation.py GateConfig): aliases, "
+                  "require_no_regression, min_gain, suite. Empty: the defaults.",
+    )
 
     class Meta:
         constraints = [models.UniqueConstraint(fields=["owner", "name"], name="basemodel_owner_name_unique")]

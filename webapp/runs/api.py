@@ -144,6 +144,8 @@ class PolicyVersionSerializer(serializers.ModelSerializer):
 class PromoteSerializer(serializers.Serializer):
     alias = serializers.ChoiceField(choices=[a for a in Alias.values if a != Alias.PREVIOUS], default=Alias.PRODUCTION)
     reason = serializers.CharField(required=False, allow_blank=True, default="")
+    force = serializers.BooleanField(default=False, help_text="Move the alias even if the promotion gate refuses; "
+                                                              "the overridden reasons are recorded")
 
 
 class RollbackSerializer(serializers.Serializer):
@@ -160,6 +162,22 @@ class AliasEventSerializer(serializers.ModelSerializer):
         model = AliasEvent
         fields = ["id", "base_model", "alias", "version", "version_number", "run", "previous_version", "action",
                   "reason", "created_at"]
+
+
+def resolve_baseline(version: PolicyVersion, against: str, visible: QuerySet[Any]) -> PolicyVersion | None:
+    """``parent``, ``base``, an alias name, or a version id, as a PolicyVersion (404-style error if unknown)."""
+    from webapp.runs.evaluation import base_version
+
+    if against == "parent":
+        return version.parent or base_version(version)
+    if against == "base":
+        return base_version(version)
+    if against in Alias.values:
+        return services.current_alias(version.run.base_model, against)
+    if against.isdigit() and (row := visible.filter(pk=int(against)).first()) is not None:
+        return row
+    raise ValidationFailed(f"cannot compare against {against!r}",
+                           details={"against": ["parent, base, an alias name or a version id you can see"]})
 
 
 class PolicyVersionViewSet(viewsets.ReadOnlyModelViewSet):
@@ -194,8 +212,41 @@ class PolicyVersionViewSet(viewsets.ReadOnlyModelViewSet):
         body = PromoteSerializer(data=request.data if isinstance(request.data, dict) else {})
         body.is_valid(raise_exception=True)
         event = services.do_promote_version(self.get_object(), body.validated_data["alias"], actor=request.user,
-                                            reason=body.validated_data["reason"])
+                                            reason=body.validated_data["reason"], force=body.validated_data["force"])
         return Response(AliasEventSerializer(event).data)
+
+    @extend_schema(
+        parameters=[
+            OpenApiParameter("against", str, description="parent (default), base (version 0 of the run), an alias "
+                                                          "of the base model (e.g. production), or a version id"),
+            OpenApiParameter("suite", str, description="evaluation suite (default heldout)"),
+        ],
+        responses={200: OpenApiTypes.OBJECT},
+    )
+    @action(detail=True, methods=["get"])
+    def compare(self, request: Request, pk: str | None = None) -> Response:
+        """Per-domain scores against another version, paired on common tasks, with 95% intervals and
+        regression flags; and what the promotion gate would say for each gated alias."""
+        from webapp.runs.evaluation import check_gate, compare, gate_config
+
+        version = self.get_object()
+        against = request.query_params.get("against", "parent")
+        baseline = resolve_baseline(version, against, self.get_queryset())
+        suite = request.query_params.get("suite", "heldout")
+        config = gate_config(version.run.base_model.promotion_gate)
+        gate = {alias: check_gate(version, alias, services.current_alias(version.run.base_model, alias), config)
+                for alias in config.aliases}
+        return Response({**compare(version, baseline, suite).to_dict(), "against": against, "gate": gate})
+
+    @extend_schema(responses={200: OpenApiTypes.OBJECT})
+    @action(detail=True, methods=["get"])
+    def evaluations(self, request: Request, pk: str | None = None) -> Response:
+        """The version's evaluations, newest first: per domain and suite, score, pass rate, invalid count."""
+        rows = self.get_object().evaluations.select_related("domain").order_by("-id")[:200]
+        return Response([{"id": e.id, "domain": e.domain_id, "domain_name": e.domain.name, "suite": e.suite,
+                          "status": e.status, "n_tasks": e.n_tasks, "n_samples": e.n_samples, "score": e.score,
+                          "pass_rate": e.pass_rate, "invalid_count": e.invalid_count,
+                          "created_at": e.created_at} for e in rows])
 
     @extend_schema(request=RollbackSerializer, responses={200: AliasEventSerializer, 409: OpenApiTypes.OBJECT})
     @action(detail=False, methods=["post"])

@@ -227,8 +227,16 @@ def current_alias(base_model: BaseModel, alias: str) -> PolicyVersion | None:
 
 
 def do_promote_version(version: PolicyVersion, alias: str = Alias.PRODUCTION, *, actor: User = None,
-                       reason: str = "") -> AliasEvent:
-    """Point ``alias`` of the version's base model at ``version``; the old target becomes ``previous``."""
+                       reason: str = "", force: bool = False) -> AliasEvent:
+    """Point ``alias`` of the version's base model at ``version``; the old target becomes ``previous``.
+
+    A gated alias (``production`` and ``canary`` by default; see ``evaluation.GateConfig``) moves only when
+    the version shows no per-domain regression against the alias's current version (or the base model)
+    and enough average gain; otherwise ``InvalidTransition`` lists the reasons. ``force`` moves it anyway
+    and records the overridden reasons.
+    """
+    from webapp.runs.evaluation import check_gate, gate_config
+
     if alias not in Alias.values or alias == Alias.PREVIOUS:
         raise ValidationFailed(f"cannot promote to alias {alias!r}",
                                details={"alias": [f"one of {', '.join(a for a in Alias.values if a != 'previous')}"]})
@@ -238,6 +246,15 @@ def do_promote_version(version: PolicyVersion, alias: str = Alias.PRODUCTION, *,
         old = current_alias(base_model, alias)
         if old is not None and old.pk == version.pk:
             raise InvalidTransition(f"{alias} already points at {version}")
+        refusals = check_gate(version, alias, old, gate_config(base_model.promotion_gate))
+        if refusals and not force:
+            raise InvalidTransition(
+                f"the promotion gate refuses v{version.number} of run {version.run_id} as {alias}: "
+                + "; ".join(refusals),
+                details={"gate": refusals, "alias": alias, "version": version.number},
+            )
+        if refusals:
+            reason = (reason + " " if reason else "") + "[forced past the gate: " + "; ".join(refusals) + "]"
         event = AliasEvent.objects.create(base_model=base_model, alias=alias, version=version, previous_version=old,
                                           action="promote", reason=reason, actor=_actor(actor))
         if old is not None and alias == Alias.PRODUCTION:
@@ -245,7 +262,9 @@ def do_promote_version(version: PolicyVersion, alias: str = Alias.PRODUCTION, *,
                                       previous_version=current_alias(base_model, Alias.PREVIOUS),
                                       action="promote", reason=f"replaced in {alias} by {version}", actor=_actor(actor))
         record_event(version.run_id, "alias.promote", f"{alias} → v{version.number}", actor=actor,
-                     data={"alias": alias, "version": version.number, "previous": old.number if old else None})
+                     level=RunEvent.Level.WARNING if refusals else RunEvent.Level.INFO,
+                     data={"alias": alias, "version": version.number, "previous": old.number if old else None,
+                           "forced_past_gate": refusals})
     return event
 
 
