@@ -8,7 +8,8 @@ The naive harness is what many RL stacks do: ``subprocess.run([sys.executable, "
 answer, pass = exit code 0. It has no isolation and is fooled by ``sys.exit(0)`` (see
 tests/verifiers/test_python_tests.py); it is measured here only for speed. Both harnesses run the same
 answers one at a time ("at once" 1 in the table) after a short warm-up (a sandbox worker keeps its pool
-warm, and the naive harness gets a warm page cache); with ``--threads N`` both are also run N at a time.
+warm, and the naive harness gets a warm page cache), in slices taken in turn so that a change in machine
+load hits both alike; with ``--threads N`` both are also run N at a time.
 The last line is machine-readable: ``result: key=value …``.
 """
 
@@ -67,6 +68,32 @@ def timed(name: str, fn: Callable[[Any], bool], items: Sequence[Any], warmup: in
     seconds = time.perf_counter() - start
     correct = None if expected is None else sum(r == e for r, e in zip(results, expected, strict=True))
     return Measurement(name, len(items), seconds, latencies, correct, threads)
+
+
+def interleaved(harnesses: Sequence[tuple[str, Callable[[Any], bool], Sequence[bool] | None]],
+                items: Sequence[Any], blocks: int = 6, threads: int = 1) -> list[Measurement]:
+    """Each harness over the same items, in `blocks` slices taken in turn (the order alternating), so that a
+    change in machine load hits all of them alike."""
+    for _, fn, _ in harnesses:
+        for item in items[:3]:  # warm-up, as in timed()
+            fn(item)
+    merged = [Measurement(name, 0, 0.0, [], None if expected is None else 0, threads)
+              for name, _, expected in harnesses]
+    bounds = [round(len(items) * b / blocks) for b in range(blocks + 1)]
+    for b in range(blocks):
+        lo, hi = bounds[b], bounds[b + 1]
+        order = list(range(len(harnesses)))
+        for k in order if b % 2 == 0 else order[::-1]:
+            name, fn, expected = harnesses[k]
+            part = timed(name, fn, items[lo:hi], warmup=0, expected=None if expected is None else expected[lo:hi],
+                         threads=threads)
+            m = merged[k]
+            m.n += part.n
+            m.seconds += part.seconds
+            m.latencies_ms += part.latencies_ms
+            if m.correct is not None and part.correct is not None:
+                m.correct += part.correct
+    return merged
 
 
 def judge_fn(kind: str, config: dict[str, Any], **kw: Any) -> Callable[[JudgeInput], bool]:
@@ -142,16 +169,16 @@ def python_tests_comparison(problems: int, threads: int) -> list[Measurement]:
     def empty_sandbox(row: dict[str, Any]) -> bool:
         return run(SandboxSpec(code="pass")).status == "ok"
 
-    out = [
-        timed("python_tests: Temper sandboxed verifier", sandboxed, rows, expected=expected),
-        timed("python_tests: naive subprocess per answer", naive_harness, rows, expected=expected),
-    ]
-    out.append(timed("(floor: empty sandbox run, `pass`)", empty_sandbox, rows))
+    out = interleaved([
+        ("python_tests: Temper sandboxed verifier", sandboxed, expected),
+        ("python_tests: naive subprocess per answer", naive_harness, expected),
+        ("(floor: empty sandbox run, `pass`)", empty_sandbox, None),
+    ], rows)
     if threads > 1:
-        out.append(timed(f"python_tests: Temper sandboxed, {threads} threads", sandboxed, rows,
-                         expected=expected, threads=threads))
-        out.append(timed(f"python_tests: naive, {threads} threads", naive_harness, rows, expected=expected,
-                         threads=threads))
+        out += interleaved([
+            (f"python_tests: Temper sandboxed, {threads} threads", sandboxed, expected),
+            (f"python_tests: naive, {threads} threads", naive_harness, expected),
+        ], rows, threads=threads)
     return out
 
 

@@ -19,8 +19,8 @@ import errno
 import glob
 import hashlib
 import itertools
+import marshal
 import os
-import pickle
 import secrets
 import select
 import signal
@@ -62,10 +62,13 @@ class Runner:
             return error_result(self.tier, f"the epilogue does not compile: {exc}"), None
         self._prepare(standby, spec, remount)
         key = secrets.token_bytes(32)
-        job = {"code": spec.code, "epilogue": epilogue, "key": key, "limits": spec.limits,
-               "command": list(spec.command) if spec.command is not None else None,
-               "code_path": os.path.join(SANDBOX_ROOT if self.namespaces else standby.slot, "main.py")}
-        data = pickle.dumps(job, protocol=pickle.HIGHEST_PROTOCOL)
+        limits = spec.limits
+        # Plain values only, marshalled: loading them runs no Python code in the sandbox (see zygote.py).
+        job = (spec.code, os.path.join(SANDBOX_ROOT if self.namespaces else standby.slot, "main.py"), epilogue,
+               list(spec.command) if spec.command is not None else None, key,
+               (limits.cpu_seconds, limits.max_file_bytes, limits.max_open_files, limits.max_processes,
+                limits.memory_bytes))
+        data = marshal.dumps(job)
         return self._supervise(standby, spec, key, statements, _LEN.pack(len(data)) + data, exit_status)
 
     def _prepare(self, standby: Standby, spec: SandboxSpec, remount: Callable[[int, int], None]) -> None:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import gc
+import marshal
 import math
 import os
 import pickle
@@ -43,10 +44,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sandboxes import _linux
-from sandboxes.api import (
-    Limits,
-    SandboxSpec,
-)
+from sandboxes.api import Limits
 from sandboxes.harness import (
     REPORT_FD,
     Job,
@@ -197,10 +195,9 @@ class Zygote:
 
             self.slots_base = tempfile.mkdtemp(prefix="temper-sandbox-")
             os.chmod(self.slots_base, 0o711)
-        # Warm the crypto and pickle paths once here rather than in every child (OpenSSL caches the digest
-        # on first use: done here, every sandbox shares the page instead of writing its own copy).
+        # Warm the crypto path once here rather than in every child (OpenSSL caches the digest on first
+        # use: done here, every sandbox shares the page instead of writing its own copy).
         decode_frames(b"k" * 32, encode_frame(b"k" * 32, 0, {"k": "warm-up"}))
-        pickle.loads(pickle.dumps(SandboxSpec(code="")))
         gc.collect()
         gc.freeze()  # children then do not write to (and copy) the pages of every preloaded object
 
@@ -444,23 +441,25 @@ class Zygote:
             header = _read_exact(go_fd, _LEN.size)
             if header is None:
                 os._exit(0)  # discarded without a job
-            job = pickle.loads(_read_exact(go_fd, _LEN.unpack(header)[0]) or b"")
+            # Plain values, marshalled by the owner (trusted): no Python code runs to load them.
+            code, code_path, epilogue, command, key, limits = marshal.loads(
+                _read_exact(go_fd, _LEN.unpack(header)[0]) or b"")
             os.close(go_fd)
-            limits: Limits = job["limits"]
+            cpu_seconds, max_file_bytes, max_open_files, max_processes, memory_bytes = limits
             # Lowering limits needs no privilege, so they are set after the drop, per job. RLIMIT_CPU counts
             # from the process start: add what the set-up already used. Soft = hard: as init we would ignore
             # the soft limit's SIGXCPU; the hard limit's SIGKILL comes from the kernel and always kills.
             usage = resource.getrusage(resource.RUSAGE_SELF)
-            cpu = max(1, math.ceil(usage.ru_utime + usage.ru_stime + limits.cpu_seconds))
+            cpu = max(1, math.ceil(usage.ru_utime + usage.ru_stime + cpu_seconds))
             resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
-            resource.setrlimit(resource.RLIMIT_FSIZE, (limits.max_file_bytes, limits.max_file_bytes))
-            resource.setrlimit(resource.RLIMIT_NOFILE, (limits.max_open_files, limits.max_open_files))
+            resource.setrlimit(resource.RLIMIT_FSIZE, (max_file_bytes, max_file_bytes))
+            resource.setrlimit(resource.RLIMIT_NOFILE, (max_open_files, max_open_files))
             if cgroups is None:
                 # Without a cgroup: per-uid process count (the zygote's waiting standbys share the uid and
                 # count too) and per-process address space.
-                resource.setrlimit(resource.RLIMIT_NPROC, (limits.max_processes, limits.max_processes))
-                resource.setrlimit(resource.RLIMIT_AS, (limits.memory_bytes, limits.memory_bytes))
-            return Job(job["code"], job["code_path"], load_epilogue(job["epilogue"]), job["command"], job["key"])
+                resource.setrlimit(resource.RLIMIT_NPROC, (max_processes, max_processes))
+                resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
+            return Job(code, code_path, load_epilogue(epilogue), command, key)
 
         run_harness(receive_job)  # gets ready, then waits for the job
 
