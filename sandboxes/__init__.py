@@ -42,6 +42,8 @@ What is NOT isolated:
 - The kernel is shared (no seccomp filter, no gVisor/VM): a kernel exploit escapes.
 - Read access to the world-readable parts of the host file system (/usr, /etc/passwd, the project's
   source, /sys) — read-only, but visible. Do not put secrets in world-readable files on sandbox hosts.
+  Through /sys an execution can read cgroup statistics: other sandboxes' usage, the parent's totals, and
+  the cumulative counters (memory.stat) its own recycled cgroup kept from earlier executions.
 - CPU share: there is no CPU cgroup; a spinning execution competes for cores until its CPU or wall limit.
 - /dev is the host's (read-only; device nodes stay usable per their permissions, e.g. /dev/null).
 - The harness runs in the same interpreter as the untrusted code; a determined attacker that walks

@@ -296,6 +296,8 @@ class CgroupSet:
             self.configure(memory_bytes, max_processes)
             _write(os.path.join(mem, "memory.failcnt"), "0")
             _write_optional(os.path.join(mem, "memory.memsw.failcnt"), "0")
+            if "cpuacct" in self.dirs:
+                _write_optional(os.path.join(self.dirs["cpuacct"], "cpuacct.usage"), "0")
         except OSError:
             return False
         self.oom_kills_before = _read_kv(os.path.join(mem, "memory.oom_control")).get("oom_kill", 0)

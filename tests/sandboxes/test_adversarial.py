@@ -96,6 +96,28 @@ def test_detached_daemon_does_not_survive(pool: SandboxPool) -> None:
     assert strays() == []  # immediately, not after the sandbox's wall limit
 
 
+def test_a_thread_forking_while_the_verdict_is_returned(pool: SandboxPool) -> None:
+    # The harness kills and reaps the rest of the namespace before the verdict; a thread of the code that
+    # keeps forking races that, and must neither hang the verdict nor leave a process behind.
+    result = pool.run(spec("""
+        import os, threading, time
+        def spawn():
+            while True:
+                try:
+                    if os.fork() == 0:
+                        time.sleep(60)
+                        os._exit(0)
+                except OSError:
+                    time.sleep(0.001)
+        threading.Thread(target=spawn, daemon=True).start()
+        time.sleep(0.05)
+        print("done", flush=True)
+    """, wall_seconds=10))
+    assert result.status == "ok", result.to_dict()
+    assert result.stdout == b"done\n"
+    assert result.wall_seconds < 5
+
+
 def test_gigabytes_of_stdout(pool: SandboxPool) -> None:
     result = pool.run(spec("""
         import sys
