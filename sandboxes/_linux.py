@@ -223,6 +223,13 @@ class CgroupSet:
     dirs: dict[str, str]  # controller ("unified" for v2) -> directory
     oom_kills_before: int = 0  # the OOM-kill counter when this execution got the set
 
+    def to_wire(self) -> tuple[int, dict[str, str], int]:
+        return self.version, self.dirs, self.oom_kills_before
+
+    @classmethod
+    def from_wire(cls, wire: tuple[int, dict[str, str], int]) -> CgroupSet:
+        return cls(wire[0], dict(wire[1]), wire[2])
+
     def procs_files(self) -> list[str]:
         return [os.path.join(d, "cgroup.procs") for d in dict.fromkeys(self.dirs.values())]
 

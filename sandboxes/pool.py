@@ -30,6 +30,7 @@ from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
+from sandboxes._linux import CgroupSet
 from sandboxes.api import SandboxResult, SandboxSpec
 from sandboxes.runner import Runner, error_result
 from sandboxes.zygote import SANDBOX_ENV, Standby, recv_packet, send_packet
@@ -104,7 +105,8 @@ class _Zygote:
                     os.close(fd)
                 raise RuntimeError(f"the sandbox zygote sent {len(fds)} fds with a standby, expected 6")
             pidfd, go_w, stdin_fd, out_r, err_r, rep_r = fds
-            self.pending.append(Standby(meta["pid"], pidfd, meta["slot"], meta["cgroup"], go_w, stdin_fd,
+            cgroup = None if meta["cgroup"] is None else CgroupSet.from_wire(meta["cgroup"])
+            self.pending.append(Standby(meta["pid"], pidfd, meta["slot"], cgroup, go_w, stdin_fd,
                                         out_r, err_r, rep_r, meta["ident"]))
             return {}
 

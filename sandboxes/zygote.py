@@ -33,7 +33,6 @@ import gc
 import marshal
 import math
 import os
-import pickle
 import resource
 import select
 import signal
@@ -93,8 +92,9 @@ MAX_PACKET = 1 << 16
 
 
 def send_packet(sock: socket.socket, obj: Any, fds: list[int] | tuple[int, ...] = ()) -> None:
-    """One message (a pickle, between trusted processes only) on a SOCK_SEQPACKET socket, with fds."""
-    socket.send_fds(sock, [pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)], list(fds))
+    """One message of plain values (marshal: between trusted processes only, and no Python code runs to
+    encode or decode it) on a SOCK_SEQPACKET socket, with fds."""
+    socket.send_fds(sock, [marshal.dumps(obj)], list(fds))
 
 
 def recv_packet(sock: socket.socket) -> tuple[Any, list[int]]:
@@ -102,7 +102,7 @@ def recv_packet(sock: socket.socket) -> tuple[Any, list[int]]:
     data, fds, _, _ = socket.recv_fds(sock, MAX_PACKET, 16)
     if not data:
         return None, fds
-    return pickle.loads(data), fds
+    return marshal.loads(data), fds
 
 
 @dataclass
@@ -231,7 +231,8 @@ class Zygote:
                     children[pid] = (ident, slot, cgroup)
                     slots[ident] = slot
                     try:
-                        send_packet(sock, {"standby": {"pid": pid, "slot": slot, "cgroup": cgroup,
+                        send_packet(sock, {"standby": {"pid": pid, "slot": slot,
+                                                       "cgroup": None if cgroup is None else cgroup.to_wire(),
                                                        "ident": ident}}, fds)
                     finally:
                         for fd in fds:
