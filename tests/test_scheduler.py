@@ -75,3 +75,34 @@ def test_plan_trains_when_a_batch_is_ready_and_completes_at_max_steps():
     done = plan(state(step=1000, version=1000), LIMITS)
     assert done.complete and done.admit_total == 0 and not done.train
     assert not plan(state(step=1000, training=True), LIMITS).complete
+
+
+def test_retries_of_invalid_verdicts_come_before_new_prompts():
+    domains = [DomainShare(1, 1.0, retries=2), DomainShare(2, 5.0, retries=1), DomainShare(3, 1.0)]
+    p = plan(state(domains=domains), Limits(batch_groups=4, max_staleness=0, rollout_batch=8, max_in_flight=100,
+                                             max_steps=10))
+    assert p.retry == {1: 2, 2: 1}
+    assert sum(p.admit.values()) == 1 and p.admit_total == 4  # the rest by weight
+    # with no room, retries wait like anything else, and are never more than the capacity
+    full = plan(state(domains=domains, accepted=4), Limits(batch_groups=4, max_staleness=0, rollout_batch=8,
+                                                          max_in_flight=100, max_steps=10))
+    assert full.admit_total == 0
+    tight = plan(state(domains=domains, accepted=2), Limits(batch_groups=4, max_staleness=0, rollout_batch=8,
+                                                           max_in_flight=100, max_steps=10))
+    assert tight.retry == {1: 2} and not tight.admit
+
+
+def test_a_retried_prompt_counts_towards_its_domains_share():
+    domains = [DomainShare(1, 1.0, admitted=0, retries=2), DomainShare(2, 1.0, admitted=0)]
+    p = plan(state(domains=domains), Limits(batch_groups=4, max_staleness=0, rollout_batch=4, max_in_flight=100,
+                                             max_steps=10))
+    assert p.retry == {1: 2} and p.admit == {2: 2}
+
+
+def test_generation_is_handed_out_in_whole_chunks_while_a_chunk_waits():
+    limits = Limits(batch_groups=8, max_staleness=4, rollout_batch=8, max_in_flight=10, max_steps=1000)
+    # two groups of room, but a rollout task is still to come for 8 others: wait for a whole chunk
+    assert plan(state(running=8, waiting=8), limits).admit_total == 0
+    # nothing waits for a rollout worker: a partial chunk keeps it busy
+    assert plan(state(running=8, waiting=0), limits).admit_total == 2
+    assert plan(state(running=0, waiting=0), limits).admit_total == 8

@@ -17,10 +17,16 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "webapp.settings")
 
 QUEUES = ("control", "rollout", "train", "verify")
 
+
 class TemperTask(Task):
-    """Database hiccups (a locked SQLite file, a dropped PostgreSQL connection) are retried, not lost."""
+    """Database hiccups (a locked SQLite file, a dropped PostgreSQL connection) are retried, not lost.
+
+    The loop's tasks ignore their results (nobody waits on them), but a failure or a revocation is still
+    stored, so ``AsyncResult(id).state`` tells what became of a task.
+    """
 
     autoretry_for = (OperationalError, InterfaceError)
+    store_errors_even_if_ignored = True
     retry_backoff = 1
     retry_backoff_max = 30
     max_retries = 8

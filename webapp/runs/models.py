@@ -187,13 +187,53 @@ class PromptGroup(models.Model):
     attempt = models.PositiveSmallIntegerField(default=0)
     trained_step = models.PositiveIntegerField(null=True, blank=True)
     drop_reason = models.CharField(max_length=200, blank=True)
+    invalid = models.PositiveSmallIntegerField(default=0, help_text="Samples whose verdict is invalid")
+    retries = models.PositiveSmallIntegerField(default=0, help_text="Earlier admissions of this prompt that got "
+                                               "an invalid verdict (0: first admission)")
+    retry_of = models.ForeignKey("self", null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
+    retry_pending = models.BooleanField(default=False, help_text="Its prompt waits to be admitted again")
+    generate_wait_s = models.FloatField(null=True, blank=True, help_text="From admission to a rollout task")
+    generate_s = models.FloatField(null=True, blank=True, help_text="Its share of its rollout task's device time")
+    verify_wait_s = models.FloatField(null=True, blank=True, help_text="From samples written to judging started")
+    verify_s = models.FloatField(null=True, blank=True, help_text="Judging all its samples took this long")
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 
     class Meta:
         ordering = ["id"]
         constraints = [models.UniqueConstraint(fields=["run", "key"], name="promptgroup_run_key_unique")]
-        indexes = [models.Index(fields=["run", "status", "id"], name="group_run_status_id")]
+        indexes = [
+            models.Index(fields=["run", "status", "id"], name="group_run_status_id"),
+            models.Index(fields=["run", "id"], condition=models.Q(retry_pending=True), name="group_run_retry"),
+        ]
+
+
+class WorkerHeartbeat(models.Model):
+    """A Celery worker's last sign of life, written every few seconds by a thread in the worker process.
+
+    A worker whose ``last_seen`` is older than ``TEMPER_WORKER_SILENT_SECONDS`` is flagged on the active
+    runs (``alert.worker_gone``); a queue that no live worker consumes raises ``alert.no_worker``.
+    """
+
+    name = models.CharField(max_length=200, unique=True, help_text="Celery node name, e.g. gpu@host")
+    queues = models.CharField(max_length=200, help_text="Comma-separated queues it consumes")
+    pid = models.IntegerField()
+    started_at = models.DateTimeField()
+    last_seen = models.DateTimeField()
+    stopped_at = models.DateTimeField(null=True, blank=True, help_text="Set by a clean shutdown")
+    busy_seconds = models.FloatField(default=0.0, help_text="Seconds spent generating or training since start")
+    current_task = models.CharField(max_length=200, blank=True)
+    current_run = models.BigIntegerField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+    @property
+    def queue_list(self) -> list[str]:
+        return [q for q in self.queues.split(",") if q]
 
 
 class Verdict(models.TextChoices):

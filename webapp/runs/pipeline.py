@@ -60,9 +60,13 @@ def snapshot(run: Run) -> PipelineState:
     per_domain = dict(
         PromptGroup.objects.filter(run=run).exclude(status=G.DROPPED).values_list("domain_id").annotate(n=Count("id"))
     )
+    retries = dict(
+        PromptGroup.objects.filter(run=run, retry_pending=True).values_list("domain_id").annotate(n=Count("id"))
+    )
     exhausted = set(run.state.get("exhausted", []))
     domains = [
-        DomainShare(rd.domain_id, rd.weight, rd.priority, per_domain.get(rd.domain_id, 0), rd.domain_id in exhausted)
+        DomainShare(rd.domain_id, rd.weight, rd.priority, per_domain.get(rd.domain_id, 0), rd.domain_id in exhausted,
+                    retries.get(rd.domain_id, 0))
         for rd in run.run_domains.all()
     ]
     return PipelineState(
@@ -72,6 +76,7 @@ def snapshot(run: Run) -> PipelineState:
         ready=counts.get(G.READY, 0),
         training=bool(run.state.get("train_claim")) or counts.get(G.TRAINING, 0) > 0,
         domains=domains,
+        waiting=counts.get(G.ADMITTED, 0) + counts.get(G.GENERATING, 0),
     )
 
 
@@ -89,8 +94,17 @@ def _next_tasks(run: Run, domain_id: int, n: int) -> list[Task]:
 
 
 def apply_admission(run: Run, plan: Plan) -> list[int]:
-    """Create the admitted groups (under the caller's lock on the run) and return their ids."""
+    """Create the admitted groups (under the caller's lock on the run) and return their ids.
+
+    Retries first: each one is a new group for the prompt of an earlier group that got an invalid verdict.
+    """
     groups = []
+    for domain_id, n in plan.retry.items():
+        earlier = list(PromptGroup.objects.filter(run=run, retry_pending=True, domain_id=domain_id).order_by("id")[:n])
+        PromptGroup.objects.filter(pk__in=[g.pk for g in earlier]).update(retry_pending=False)
+        groups += [PromptGroup(run=run, key=uuid.uuid4().hex, task_id=g.task_id, domain_id=domain_id,
+                               admitted_version=run.latest_version, retries=g.retries + 1, retry_of=g)
+                   for g in earlier]
     exhausted = set(run.state.get("exhausted", []))
     for domain_id, n in plan.admit.items():
         tasks = _next_tasks(run, domain_id, n)
@@ -123,8 +137,13 @@ class SampleRow:
     version: int
 
 
-def write_samples(run_id: int, groups: dict[int, PromptGroup], rows: list[SampleRow]) -> None:
-    """Write trajectories (idempotent on (run, group, index)) and move their groups to verifying."""
+def write_samples(run_id: int, groups: dict[int, PromptGroup], rows: list[SampleRow], *,
+                  generate_s: float | None = None, wait_s: float | None = None) -> None:
+    """Write trajectories (idempotent on (run, group, index)) and move their groups to verifying.
+
+    ``generate_s`` (the task's device seconds) is shared out over the groups and ``wait_s`` (their mean
+    wait for a rollout task) stored on each: the train step reports both, so generation sends no message.
+    """
     with transaction.atomic():
         Trajectory.objects.bulk_create([
             Trajectory(run_id=run_id, task_id=groups[r.group_id].task_id, domain_id=groups[r.group_id].domain_id,
@@ -134,17 +153,31 @@ def write_samples(run_id: int, groups: dict[int, PromptGroup], rows: list[Sample
                        finish_reason=r.finish_reason)
             for r in rows
         ], ignore_conflicts=True)
+        # one statement for every group of the batch: G samples each, all under the same version
         per_group: dict[int, int] = {}
         for r in rows:
             per_group[r.group_id] = per_group.get(r.group_id, 0) + 1
         version = rows[0].version if rows else 0
-        for gid, n in per_group.items():
-            PromptGroup.objects.filter(pk=gid, status=G.GENERATING).update(
-                status=G.VERIFYING, n_samples=n, generated_version=version, updated_at=timezone.now())
+        share = None if generate_s is None else generate_s / max(1, len(per_group))
+        for n in set(per_group.values()):
+            PromptGroup.objects.filter(pk__in=[g for g, k in per_group.items() if k == n], status=G.GENERATING).update(
+                status=G.VERIFYING, n_samples=n, generated_version=version, generate_s=share, generate_wait_s=wait_s,
+                updated_at=timezone.now())
 
 
 def group_trajectories(group: PromptGroup) -> list[Trajectory]:
     return list(Trajectory.objects.filter(run_id=group.run_id, group_key=group.key).order_by("sample_index"))
+
+
+def batch_trajectories(run_id: int, groups: list[PromptGroup], *fields: str) -> dict[str, list[Trajectory]]:
+    """The samples of several groups in one query, by group key, in sample order."""
+    qs = Trajectory.objects.filter(run_id=run_id, group_key__in=[g.key for g in groups])
+    if fields:
+        qs = qs.only("group_key", "sample_index", *fields)
+    out: dict[str, list[Trajectory]] = {g.key: [] for g in groups}
+    for t in qs.order_by("group_key", "sample_index"):
+        out[t.group_key].append(t)
+    return out
 
 
 def record_verdict(trajectory_id: int, *, status: str, score: float | None, reason: str, details: dict[str, Any],
@@ -155,13 +188,29 @@ def record_verdict(trajectory_id: int, *, status: str, score: float | None, reas
         verify_latency_ms=latency_ms))
 
 
-def finish_verification(group: PromptGroup) -> bool:
-    """Move a group to the ready buffer once every sample has a verdict."""
-    pending = Trajectory.objects.filter(run_id=group.run_id, group_key=group.key, verdict=Verdict.PENDING).exists()
-    if pending:
-        return False
-    return bool(PromptGroup.objects.filter(pk=group.pk, status=G.VERIFYING).update(status=G.READY,
-                                                                                     updated_at=timezone.now()))
+def finish_verification(group: PromptGroup, max_retries: int) -> str | None:
+    """Once every sample has a verdict: the group joins the ready buffer, or is dropped when no verdict is usable.
+
+    Invalid verdicts are counted on the group and never scored: the trainer leaves them out. A group with
+    any invalid verdict queues its prompt for another admission (ahead of new prompts) unless it already
+    had ``max_retries``. Returns the group's new status, or None while verdicts are missing (or when
+    another delivery finished it first).
+    """
+    verdicts = list(Trajectory.objects.filter(run_id=group.run_id, group_key=group.key)
+                    .values_list("verdict", "verdict_reason"))
+    if not verdicts or any(v == Verdict.PENDING for v, _ in verdicts):
+        return None
+    invalid = [reason for v, reason in verdicts if v == Verdict.INVALID]
+    retry = bool(invalid) and group.retries < max_retries
+    fields: dict[str, Any] = {"invalid": len(invalid), "retry_pending": retry, "updated_at": timezone.now()}
+    if len(invalid) == len(verdicts):
+        status = G.DROPPED
+        fields["drop_reason"] = (f"every verdict invalid ({invalid[0][:80]})"
+                                 + ("; prompt queued again" if retry else f"; no retry left after {group.retries}"))[:200]
+    else:
+        status = G.READY
+    changed = PromptGroup.objects.filter(pk=group.pk, status=G.VERIFYING).update(status=status, **fields)
+    return status if changed else None
 
 
 def claim_train_batch(run: Run, step: int, batch: int, max_staleness: int) -> list[PromptGroup]:
@@ -188,7 +237,7 @@ def release_train_claim(run_id: int) -> None:
     with transaction.atomic():
         locked = Run.objects.select_for_update().get(pk=run_id)
         if "train_claim" in locked.state:
-            state = {k: v for k, v in locked.state.items() if k != "train_claim"}
+            state = {k: v for k, v in locked.state.items() if k not in ("train_claim", "train_claim_at")}
             Run.objects.filter(pk=run_id).update(state=state)
 
 
@@ -211,21 +260,23 @@ def finish_train_step(run: Run, step: int, groups: list[PromptGroup], *, version
         Trajectory.objects.filter(run=run, group_key__in=[g.key for g in groups]).update(trained_step=step)
         state = dict(locked.state)
         state.pop("train_claim", None)
+        state.pop("train_claim_at", None)
         state["last_step_at"] = finished_at  # wall clock of the last step: the GPU-busy fraction's window
         Run.objects.filter(pk=run.pk).update(step=step, latest_version=number, state=state,
                                              updated_at=timezone.now())
     return version
 
 
-def recover_stalled(run: Run, older_than: timedelta) -> dict[str, list[int]]:
+def recover_stalled(run: Run, older_than: timedelta) -> dict[str, Any]:
     """Groups whose message was lost (a worker killed, Redis restarted): what must be re-issued.
 
     Generation and verification are re-queued (at most 3 attempts, then the group is dropped with the
-    reason); a claimed train step is re-issued as is (claims are idempotent).
+    reason); a claimed train step is re-issued as is (claims are idempotent). ``attempts`` maps each
+    re-issued group to its new attempt number (part of its task id).
     """
     cutoff = timezone.now() - older_than
     stalled = PromptGroup.objects.filter(run=run, status__in=RUNNING_STATES, updated_at__lt=cutoff)
-    out: dict[str, list[int]] = {"generate": [], "verify": [], "dropped": []}
+    out: dict[str, Any] = {"generate": [], "verify": [], "dropped": [], "attempts": {}}
     for group in stalled:
         if group.attempt >= 3:
             PromptGroup.objects.filter(pk=group.pk).update(
@@ -239,7 +290,88 @@ def recover_stalled(run: Run, older_than: timedelta) -> dict[str, list[int]]:
         else:
             PromptGroup.objects.filter(pk=group.pk).update(attempt=group.attempt + 1, updated_at=timezone.now())
             out["verify"].append(group.pk)
+        out["attempts"][group.pk] = group.attempt + 1
     return out
+
+
+# Celery task ids are derived from the work they carry, so cancelling a run can revoke its queued tasks
+# without keeping a list of them: the database says which groups and which train step are pending.
+def generate_task_id(run_id: int, first_group_id: int, attempt: int) -> str:
+    return f"generate-r{run_id}-g{first_group_id}-a{attempt}"
+
+
+def verify_task_id(run_id: int, group_id: int, attempt: int) -> str:
+    return f"verify-r{run_id}-g{group_id}-a{attempt}"
+
+
+def train_task_id(run_id: int, step: int) -> str:
+    return f"train-r{run_id}-s{step}"
+
+
+def queued_task_ids(run: Run) -> list[str]:
+    """Ids of every task that may still be queued for the run's unfinished work (for revocation)."""
+    ids = []
+    for gid, status, attempt in PromptGroup.objects.filter(run=run, status__in=RUNNING_STATES).values_list(
+            "id", "status", "attempt"):
+        ids.append(verify_task_id(run.pk, gid, attempt) if status == G.VERIFYING
+                   else generate_task_id(run.pk, gid, attempt))
+    if claim := run.state.get("train_claim"):
+        ids.append(train_task_id(run.pk, int(claim)))
+    return ids
+
+
+def drop_unfinished(run: Run, reason: str) -> int:
+    """Drop every group of an ended run that was neither trained nor dropped, with the reason."""
+    return PromptGroup.objects.filter(run=run).exclude(status__in=[G.TRAINED, G.DROPPED]).update(
+        status=G.DROPPED, drop_reason=reason[:200], retry_pending=False, updated_at=timezone.now())
+
+
+@dataclass(frozen=True)
+class Accounting:
+    """Where every admitted prompt group of a run ended up; ``problems`` is empty when the counts add up."""
+
+    admitted: int
+    by_status: dict[str, int]
+    trained_samples: int
+    steps: int
+    problems: list[str]
+
+
+def accounting(run: Run) -> Accounting:
+    """Check that every admitted group was trained exactly once or dropped with a reason.
+
+    Trained groups: exactly ``n_samples`` samples, each marked with the group's train step, and exactly
+    ``batch_prompts`` groups per step for steps 1..run.step. Dropped groups: a reason. Groups still in
+    flight are reported by status (a finished run has none).
+    """
+    spec = RunSpec.model_validate(run.spec)
+    groups = PromptGroup.objects.filter(run=run)
+    by_status = dict(groups.values_list("status").annotate(n=Count("id")))
+    problems: list[str] = []
+    if n := groups.filter(status=G.DROPPED, drop_reason="").count():
+        problems.append(f"{n} dropped group(s) without a reason")
+    per_step = dict(groups.filter(status=G.TRAINED).values_list("trained_step").annotate(n=Count("id")))
+    expected_steps = set(range(1, run.step + 1))
+    if set(per_step) != expected_steps:
+        problems.append(f"trained steps {sorted(per_step)} differ from 1..{run.step}")
+    if wrong := {s: n for s, n in per_step.items() if n != spec.pipeline.batch_prompts}:
+        problems.append(f"steps with a group count other than {spec.pipeline.batch_prompts}: {wrong}")
+    trained = groups.filter(status=G.TRAINED)
+    samples = Trajectory.objects.filter(run=run, group_key__in=trained.values("key"))
+    sample_steps = dict(samples.values_list("group_key").annotate(n=Count("id")))
+    expected = dict(trained.values_list("key", "n_samples"))
+    if short := [k for k, n in expected.items() if sample_steps.get(k, 0) != n]:
+        problems.append(f"{len(short)} trained group(s) whose sample count differs from n_samples")
+    step_of = dict(trained.values_list("key", "trained_step"))
+    marked = samples.values_list("group_key", "trained_step").distinct()
+    if bad := [k for k, s in marked if s != step_of.get(k)]:
+        problems.append(f"{len(bad)} trained group(s) with samples marked for another step (or none)")
+    trained_elsewhere = Trajectory.objects.filter(run=run, trained_step__isnull=False).exclude(
+        group_key__in=trained.values("key")).count()
+    if trained_elsewhere:
+        problems.append(f"{trained_elsewhere} sample(s) marked trained outside a trained group")
+    return Accounting(admitted=sum(by_status.values()), by_status=by_status,
+                      trained_samples=samples.count(), steps=run.step, problems=problems)
 
 
 def in_flight(run: Run) -> int:

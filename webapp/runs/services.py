@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from django.contrib.auth.models import AbstractBaseUser, AnonymousUser
@@ -73,10 +74,27 @@ def record_event(
     run: Run | int, kind: str, message: str, *, level: str = RunEvent.Level.INFO,
     data: dict[str, Any] | None = None, actor: User = None,
 ) -> RunEvent:
+    """Append a line to the run's event log; the run page gets it as a ``{"type": "event"}`` message after commit."""
     run_id = run if isinstance(run, int) else run.pk
-    return RunEvent.objects.create(
+    event = RunEvent.objects.create(
         run_id=run_id, kind=kind, message=message, level=level, data=data or {}, actor=_actor(actor)
     )
+    transaction.on_commit(partial(_broadcast_event, run_id, event))
+    return event
+
+
+def _broadcast_event(run_id: int, event: RunEvent) -> None:
+    from workers.telemetry import broadcast, event_payload
+
+    broadcast(run_id, event_payload(event))
+
+
+def _broadcast_run(run_id: int) -> None:
+    from workers.telemetry import broadcast, run_payload
+
+    run = Run.objects.filter(pk=run_id).first()
+    if run is not None:
+        broadcast(run_id, run_payload(run))
 
 
 def do_create_run(
@@ -117,8 +135,7 @@ def _transition(run: Run, action: str, *, actor: User = None, reason: str = "", 
         fields["started_at"] = now
     if target in (RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED):
         fields["finished_at"] = now
-    if reason or target in (RunStatus.FAILED, RunStatus.CANCELLED):
-        fields["status_reason"] = reason
+    fields["status_reason"] = reason  # why it is in this state now (a resumed run forgets why it paused)
     with transaction.atomic():
         changed = Run.objects.filter(pk=run.pk, status__in=allowed).update(**fields)
         if not changed:
@@ -132,6 +149,7 @@ def _transition(run: Run, action: str, *, actor: User = None, reason: str = "", 
         record_event(run, f"status.{target}", message, actor=actor,
                      level=RunEvent.Level.ERROR if target == RunStatus.FAILED else RunEvent.Level.INFO,
                      data={"from": run.status, "to": target, "action": action})
+        transaction.on_commit(partial(_broadcast_run, run.pk))
     run.refresh_from_db()
     return run
 
@@ -176,10 +194,10 @@ def do_start_run(run: Run, *, actor: User = None, force: bool = False) -> Run:
     return run
 
 
-def do_pause_run(run: Run, *, actor: User = None) -> Run:
+def do_pause_run(run: Run, *, actor: User = None, reason: str = "") -> Run:
     """queued/running → pausing; the control worker moves it to paused once in-flight work is saved."""
     with transaction.atomic():
-        run = _transition(run, "pause", actor=actor)
+        run = _transition(run, "pause", actor=actor, reason=reason)
         _enqueue_advance(run)
     return run
 

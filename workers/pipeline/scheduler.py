@@ -10,9 +10,13 @@ So no sample can ever be more than ``max_staleness`` versions old when it is tra
 generated only to be thrown away. ``max_staleness = 0`` is the synchronous mode: generate a batch,
 verify it, train on it, and only then generate the next.
 
-Prompts are spread across domains by weight (largest deficit first, higher priority first), so hundreds
-of domains share the budget in proportion. Backpressure: at most ``max_in_flight`` groups are in flight,
-so a slow verifier or trainer holds generation back instead of growing queues without bound.
+Retries come first: a prompt whose group got an invalid verdict (the verifier could not judge, which is
+never scored 0) is admitted again ahead of new prompts, at most ``invalid_retries`` times. New prompts are
+spread across domains by weight (largest deficit first, higher priority first), so hundreds of domains
+share the budget in proportion. Backpressure: at most ``max_in_flight`` groups are in flight, so a slow
+verifier or trainer holds generation back instead of growing queues without bound. Generation is handed
+out in whole chunks of ``rollout_batch`` while earlier prompts still wait for a rollout worker, so the GPU
+worker runs a few large batches rather than many small ones (each task has a fixed cost).
 
 Pure: plain dataclasses in, plain dataclasses out; no Django, no Celery, no torch.
 """
@@ -20,7 +24,7 @@ Pure: plain dataclasses in, plain dataclasses out; no Django, no Celery, no torc
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass(frozen=True)
@@ -32,6 +36,8 @@ class DomainShare:
     """Groups of this domain admitted so far (dropped ones excluded)."""
     exhausted: bool = False
     """No train task left to admit (an empty domain)."""
+    retries: int = 0
+    """Prompts of this domain waiting to be admitted again after an invalid verdict."""
 
 
 @dataclass(frozen=True)
@@ -46,6 +52,8 @@ class PipelineState:
     training: bool
     """A train step is claimed and not finished."""
     domains: Sequence[DomainShare]
+    waiting: int = 0
+    """Groups admitted or being generated: a rollout task has them or is still to come (part of ``running``)."""
 
 
 @dataclass(frozen=True)
@@ -63,14 +71,16 @@ class Limits:
 @dataclass
 class Plan:
     admit: dict[int, int] = field(default_factory=dict)
-    """domain id -> groups to admit now."""
+    """domain id -> new prompts to admit now."""
+    retry: dict[int, int] = field(default_factory=dict)
+    """domain id -> prompts to admit again after an invalid verdict (ahead of new ones)."""
     train: bool = False
     """Claim the next train step on B ready groups."""
     complete: bool = False
 
     @property
     def admit_total(self) -> int:
-        return sum(self.admit.values())
+        return sum(self.admit.values()) + sum(self.retry.values())
 
 
 def admission_capacity(state: PipelineState, limits: Limits) -> int:
@@ -103,6 +113,19 @@ def split_by_weight(domains: Sequence[DomainShare], n: int) -> dict[int, int]:
     return out
 
 
+def take_retries(domains: Sequence[DomainShare], n: int) -> dict[int, int]:
+    """Up to ``n`` retries, higher priority domains first, then by domain id (the order is stable)."""
+    out: dict[int, int] = {}
+    for d in sorted(domains, key=lambda d: (-d.priority, d.domain_id)):
+        if n <= 0:
+            break
+        take = min(n, d.retries)
+        if take > 0:
+            out[d.domain_id] = take
+            n -= take
+    return out
+
+
 def plan(state: PipelineState, limits: Limits) -> Plan:
     """What to start next. Idempotent given the same state: the caller applies it under the run's lock."""
     result = Plan()
@@ -110,5 +133,12 @@ def plan(state: PipelineState, limits: Limits) -> Plan:
         result.complete = not state.training
         return result
     result.train = not state.training and state.ready >= limits.batch_groups
-    result.admit = split_by_weight(state.domains, admission_capacity(state, limits))
+    capacity = admission_capacity(state, limits)
+    if state.waiting > 0 and capacity < min(limits.rollout_batch, limits.batch_groups):
+        # a rollout task is still to come: wait for a whole chunk rather than queue a small one behind it
+        capacity = 0
+    result.retry = take_retries(state.domains, capacity)
+    # a retried prompt counts towards its domain's share, like any other admission
+    shares = [replace(d, admitted=d.admitted + result.retry.get(d.domain_id, 0)) for d in state.domains]
+    result.admit = split_by_weight(shares, capacity - sum(result.retry.values()))
     return result

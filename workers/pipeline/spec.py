@@ -52,6 +52,10 @@ class PipelineSpec(BaseModel):
         1, ge=0, le=64, description="How many versions behind the newest a trained sample may be (0 = on-policy)"
     )
     rollout_batch_prompts: int = Field(16, ge=1, le=4096, description="Prompts per generation task")
+    invalid_retries: int = Field(
+        2, ge=0, le=10,
+        description="Times a prompt whose group got an invalid verdict is admitted again, ahead of new prompts",
+    )
 
 
 class RunSpec(BaseModel):
@@ -73,6 +77,17 @@ class RunSpec(BaseModel):
         20, ge=1, description="Steps of identical rewards in every group after which training has collapsed"
     )
     auto_pause_on_collapse: bool = Field(False, description="Pause the run when a collapse is detected")
+    invalid_rate_alert: float = Field(
+        0.2, ge=0.0, le=1.0, description="Alert when more than this share of the latest verdicts is invalid"
+    )
+    staleness_alert: int | None = Field(
+        None, ge=0,
+        description="Alert when trained samples lag more versions than this (default: pipeline.max_staleness), "
+        "or when more than a batch of groups was dropped as too stale",
+    )
+    stall_alert_seconds: float = Field(
+        180.0, gt=0, description="Alert when a stage holds work this long without progress"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> RunSpec:

