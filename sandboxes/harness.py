@@ -134,7 +134,9 @@ def _prepare_chunk(chunk: str, first_line: int) -> tuple[tuple[EpilogueStatement
     tree = ast.parse(chunk, "<epilogue>", "exec")
     # ast.get_source_segment re-splits the whole source for every node (quadratic, and it showed up as
     # half the cost of judging a long test file): split once, slice by the nodes' byte offsets.
-    lines = [line.encode() for line in chunk.splitlines(keepends=True)]
+    # Lines as the tokenizer counts them: split at \n only (str.splitlines also splits at \x0c, \x85,
+    # \u2028, ... which may stand inside a string literal).
+    lines = [line.encode() for line in chunk.split("\n")]
     statements = []
     for node in tree.body:
         end_line, end_col = node.end_lineno, node.end_col_offset
@@ -145,7 +147,7 @@ def _prepare_chunk(chunk: str, first_line: int) -> tuple[tuple[EpilogueStatement
         else:
             first = lines[node.lineno - 1][node.col_offset:]
             middle = lines[node.lineno:end_line - 1]
-            source = b"".join([first, *middle, lines[end_line - 1][:end_col]]).decode()
+            source = b"\n".join([first, *middle, lines[end_line - 1][:end_col]]).decode()
         statements.append(EpilogueStatement(node.lineno + first_line - 1, source))
     if first_line > 1:
         ast.increment_lineno(tree, first_line - 1)

@@ -289,3 +289,27 @@ def test_verifier_form_takes_calibration_cases_and_names_bad_lines(client_in: Cl
     assert response.status_code == 302
     verifier = client_in.get(response["Location"]).context["verifier"]
     assert verifier.calibration_cases.count() == 2 and verifier.calibration_status == "running"
+
+
+def test_version_page_compares_flags_and_gates(client_in: Client, user: Any) -> None:
+    from webapp.runs.services import DomainWeight, do_create_run
+
+    v = factories.verifier(user)
+    add, mul = factories.domain(user, "addition", verifier_row=v), factories.domain(user, "multiplication", verifier_row=v)
+    run = do_create_run(user, name="two", base_model=factories.base_model(user),
+                        domains=[DomainWeight(add), DomainWeight(mul)])
+    v0 = PolicyVersion.objects.create(run=run, number=0)
+    v1 = PolicyVersion.objects.create(run=run, number=1, parent=v0)
+    for version, a, m in ((v0, 20, 20), (v1, 12, 40)):  # v1 trained on multiplication only
+        factories.evaluation(version, add, [1.0] * a + [0.0] * (50 - a))
+        factories.evaluation(version, mul, [1.0] * m + [0.0] * (50 - m))
+    response = client_in.get(reverse("version", args=[v1.pk]))
+    html = response.content.decode()
+    assert response.status_code == 200
+    assert 'class="tag warn regression-flag"' in html and "production: gate refuses" in html
+    assert "addition regressed against v0" in html
+    rows = {d.domain: d for d in response.context["comparison"].domains}
+    assert rows["addition"].regression and rows["multiplication"].improvement
+    # the versions list and the run page link to it; v0 compares against nothing and says so
+    assert reverse("version", args=[v1.pk]) in client_in.get(reverse("versions")).content.decode()
+    assert client_in.get(reverse("version", args=[v0.pk]) + "?against=nonsense").status_code == 200

@@ -115,7 +115,7 @@ DATABASES = {
 }
 if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     # A file, not memory, so worker processes started by the tests see the test database.
-    DATABASES["default"]["TEST"] = {"NAME": str(VAR_DIR / "test.sqlite3")}
+    DATABASES["default"]["TEST"] = {"NAME": os.environ.get("TEMPER_TEST_DB", str(VAR_DIR / "test.sqlite3"))}
     # WAL lets the web process read while a worker writes; the timeout rides out short write locks.
     DATABASES["default"].setdefault("OPTIONS", {}).update(
         {

@@ -67,6 +67,7 @@ SPLICE_CASES = [
     "assert (y := f(1)) == 1\nassert f('é') == 'é' and f(\"ü\") in ('ü', f(0))\nassert -f(1) == f(-1)\n",
     "for i in range(3):\n    assert f(i) == i, 'wrong for ' + str(i)\nwhile False:\n    g()\n",
     "assert f(1) == 1, f'message {f(1)}'\n",  # an f-string: the unparse path
+    "assert f('a\u2028b\x0cc') == g('\x85')\nassert f(2) == 2\n",  # characters str.splitlines splits at
 ]
 
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, cast
 
 from django.db.models import QuerySet
+from django.http import FileResponse
 from django_filters import rest_framework as filters
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, extend_schema, inline_serializer
@@ -19,6 +21,7 @@ from webapp.catalog.models import BaseModel, TaskDomain
 from webapp.common.errors import ValidationFailed
 from webapp.runs import metrics as metric_store
 from webapp.runs import services
+from webapp.runs.evaluation import resolve_baseline
 from webapp.runs.models import Alias, AliasEvent, PolicyVersion, Run, RunDomain, RunEvent, Trajectory
 
 
@@ -164,22 +167,6 @@ class AliasEventSerializer(serializers.ModelSerializer):
                   "reason", "created_at"]
 
 
-def resolve_baseline(version: PolicyVersion, against: str, visible: QuerySet[Any]) -> PolicyVersion | None:
-    """``parent``, ``base``, an alias name, or a version id, as a PolicyVersion (404-style error if unknown)."""
-    from webapp.runs.evaluation import base_version
-
-    if against == "parent":
-        return version.parent or base_version(version)
-    if against == "base":
-        return base_version(version)
-    if against in Alias.values:
-        return services.current_alias(version.run.base_model, against)
-    if against.isdigit() and (row := visible.filter(pk=int(against)).first()) is not None:
-        return row
-    raise ValidationFailed(f"cannot compare against {against!r}",
-                           details={"against": ["parent, base, an alias name or a version id you can see"]})
-
-
 class PolicyVersionViewSet(viewsets.ReadOnlyModelViewSet):
     queryset = PolicyVersion.objects.all()
     serializer_class = PolicyVersionSerializer
@@ -237,6 +224,42 @@ class PolicyVersionViewSet(viewsets.ReadOnlyModelViewSet):
         gate = {alias: check_gate(version, alias, services.current_alias(version.run.base_model, alias), config)
                 for alias in config.aliases}
         return Response({**compare(version, baseline, suite).to_dict(), "against": against, "gate": gate})
+
+    @extend_schema(request=inline_serializer("EvaluateRequest", {
+        "samples": serializers.IntegerField(required=False, help_text="k for pass@k (1: greedy)")}),
+        responses={202: OpenApiTypes.OBJECT})
+    @action(detail=True, methods=["post"])
+    def evaluate(self, request: Request, pk: str | None = None) -> Response:
+        """Evaluate the version on every domain's held-out tasks now (queue ``rollout``); poll evaluations/."""
+        version = self.get_object()
+        samples = request.data.get("samples", 1) if isinstance(request.data, dict) else 1
+        if not isinstance(samples, int) or not 1 <= samples <= 64:
+            raise ValidationFailed("samples must be an integer from 1 to 64", details={"samples": ["1..64"]})
+        from webapp.runs.evaluation import do_request_evaluation
+
+        return Response(do_request_evaluation(version, samples=samples, actor=request.user),
+                        status=status.HTTP_202_ACCEPTED)
+
+    @extend_schema(request=inline_serializer("ExportRequest", {"kind": serializers.ChoiceField(["adapter", "merged"])}),
+                   parameters=[OpenApiParameter("kind", str, enum=["adapter", "merged"], description="GET: which export")],
+                   responses={202: OpenApiTypes.OBJECT})
+    @action(detail=True, methods=["post", "get"])
+    def export(self, request: Request, pk: str | None = None) -> Response | FileResponse:
+        """POST ``{"kind": "adapter"|"merged"}`` builds the zip on the train queue; GET ``?kind=`` downloads it
+        once done (409 with the status before). (``format`` is DRF's own query parameter, hence ``kind``.)"""
+        from webapp.runs.exports import do_request_export, export_status
+
+        version = self.get_object()
+        if request.method == "POST":
+            fmt = request.data.get("kind", "merged") if isinstance(request.data, dict) else "merged"
+            return Response(do_request_export(version, str(fmt)), status=status.HTTP_202_ACCEPTED)
+        fmt = request.query_params.get("kind", "merged")
+        current = export_status(version, fmt)
+        if not current or current.get("status") != "done" or not Path(current["path"]).exists():
+            return Response({"detail": f"no finished {fmt} export of v{version.number}: POST to build one",
+                             "export": current}, status=status.HTTP_409_CONFLICT)
+        return FileResponse(open(current["path"], "rb"), as_attachment=True,
+                            filename=Path(current["path"]).name, content_type="application/zip")
 
     @extend_schema(responses={200: OpenApiTypes.OBJECT})
     @action(detail=True, methods=["get"])

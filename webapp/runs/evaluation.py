@@ -19,11 +19,12 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from django.db.models import QuerySet
 from pydantic import BaseModel as PydanticModel
 from pydantic import ConfigDict, Field, ValidationError
 
 from webapp.common.errors import ValidationFailed
-from webapp.runs.models import Evaluation, PolicyVersion
+from webapp.runs.models import Alias, Evaluation, PolicyVersion
 
 Z95 = 1.959964
 
@@ -180,3 +181,53 @@ def check_gate(version: PolicyVersion, alias: str, baseline: PolicyVersion | Non
         if gain < config.min_gain:
             reasons.append(f"average gain {gain:+.3f} over {label} is below the gate's minimum {config.min_gain:+.3f}")
     return reasons
+
+
+def ensure_base_version(run_id: int) -> PolicyVersion:
+    """Version 0 of a run (the base model itself), created on first need so it can be evaluated and compared."""
+    version, _ = PolicyVersion.objects.get_or_create(run_id=run_id, number=0, defaults={"step": 0})
+    return version
+
+
+def do_request_evaluation(version: PolicyVersion, *, samples: int = 1, actor: Any = None) -> dict[str, Any]:
+    """Mark the version's held-out evaluations pending and queue the evaluation job on the rollout queue.
+
+    ``samples`` = 1 evaluates greedily; k > 1 samples k completions per task and scores pass@k.
+    """
+    from django.db import transaction
+
+    from webapp.runs.services import record_event
+
+    domains = list(version.run.run_domains.values_list("domain_id", flat=True))
+    with transaction.atomic():
+        for domain_id in domains:
+            Evaluation.objects.update_or_create(
+                version=version, domain_id=domain_id, suite="heldout",
+                defaults={"status": Evaluation.Status.PENDING, "n_samples": samples})
+        record_event(version.run_id, "evaluation.requested",
+                     f"evaluation of v{version.number} requested ({'greedy' if samples == 1 else f'pass@{samples}'})",
+                     actor=actor, data={"version": version.number, "samples": samples})
+
+        def enqueue() -> None:
+            from workers.tasks.rollout import evaluate
+
+            evaluate.apply_async(args=[version.run_id, version.number], queue="rollout")
+
+        transaction.on_commit(enqueue)
+    return {"version": version.number, "samples": samples, "domains": len(domains), "status": "pending"}
+
+
+def resolve_baseline(version: PolicyVersion, against: str, visible: QuerySet[Any]) -> PolicyVersion | None:
+    """``parent``, ``base``, an alias name, or a version id, as a PolicyVersion (404-style error if unknown)."""
+    from webapp.runs import services
+
+    if against == "parent":
+        return version.parent or base_version(version)
+    if against == "base":
+        return base_version(version)
+    if against in Alias.values:
+        return services.current_alias(version.run.base_model, against)
+    if against.isdigit() and (row := visible.filter(pk=int(against)).first()) is not None:
+        return row
+    raise ValidationFailed(f"cannot compare against {against!r}",
+                           details={"against": ["parent, base, an alias name or a version id you can see"]})

@@ -12,6 +12,7 @@ urlpatterns = [
     path("runs/<int:run_id>/groups/<str:key>/", views.group_detail, name="group"),
     path("trajectories/<int:trajectory_id>/", views.trajectory_detail, name="trajectory"),
     path("versions/", views.versions, name="versions"),
+    path("versions/<int:version_id>/", views.version_detail, name="version"),
     path("versions/<int:version_id>/promote/", views.version_promote, name="version-promote"),
     path("base-models/<int:base_model_id>/rollback/", views.alias_rollback, name="alias-rollback"),
     path("domains/", catalog_views.domains_list, name="domains"),

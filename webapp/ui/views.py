@@ -312,13 +312,55 @@ def versions(request: HttpRequest) -> HttpResponse:
                                                  "aliases": [a for a in Alias.values if a != Alias.PREVIOUS]})
 
 
+def version_detail(request: HttpRequest, version_id: int) -> HttpResponse:
+    """A version: lineage, evaluations per domain, comparison with a baseline, the gate, promote, export."""
+    from webapp.runs.evaluation import check_gate, compare, ensure_base_version, gate_config, resolve_baseline
+    from webapp.runs.exports import FORMATS, export_status
+
+    visible = PolicyVersion.objects.filter(run__in=_visible_runs(request)).select_related("run__base_model", "parent")
+    version = get_object_or_404(visible, pk=version_id)
+    ensure_base_version(version.run_id)  # the base model is always there to evaluate and compare with
+    against = request.GET.get("against", "parent")
+    try:
+        baseline = resolve_baseline(version, against, visible)
+    except ValidationFailed as exc:
+        messages.error(request, exc.message)
+        baseline, against = resolve_baseline(version, "parent", visible), "parent"
+    config = gate_config(version.run.base_model.promotion_gate)
+    comparison = compare(version, baseline, config.suite)
+    lineage, node = [], version
+    while node is not None and len(lineage) < 200:
+        lineage.append(node)
+        node = node.parent
+    gate = {alias: check_gate(version, alias, services.current_alias(version.run.base_model, alias), config)
+            for alias in config.aliases}
+    evaluations = list(version.evaluations.select_related("domain").order_by("domain__name", "suite"))
+    chart = {"domains": [d.domain for d in comparison.domains],
+             "score": [d.score for d in comparison.domains], "baseline": [d.baseline for d in comparison.domains],
+             "delta": [d.delta for d in comparison.domains],
+             "lo": [d.ci95[0] if d.ci95 else None for d in comparison.domains],
+             "hi": [d.ci95[1] if d.ci95 else None for d in comparison.domains],
+             "regression": [d.regression for d in comparison.domains],
+             "version": f"v{version.number}", "baselineLabel": f"v{baseline.number}" if baseline else "none",
+             "api": f"/api/v1/policy-versions/{version.pk}/"}
+    return render(request, "ui/version.html", {
+        "v": version, "run": version.run, "baseline": baseline, "against": against, "comparison": comparison,
+        "gate": gate, "config": config, "lineage": lineage, "evaluations": evaluations,
+        "children": version.children.order_by("number")[:20], "aliases": _current_aliases(version.run.base_model)
+        .get(version.pk, []), "alias_choices": [a for a in Alias.values if a != Alias.PREVIOUS],
+        "siblings": visible.filter(run=version.run).order_by("-number")[:200],
+        "exports": {fmt: export_status(version, fmt) for fmt in FORMATS}, "chart": chart,
+        "pending": any(e.status in ("pending", "running") for e in evaluations),
+    })
+
+
 @require_POST
 def version_promote(request: HttpRequest, version_id: int) -> HttpResponse:
     version = get_object_or_404(PolicyVersion.objects.select_related("run__base_model"), pk=version_id,
                                 run__in=_visible_runs(request))
     try:
         services.do_promote_version(version, request.POST.get("alias", Alias.PRODUCTION), actor=request.user,
-                                    reason=request.POST.get("reason", ""))
+                                    reason=request.POST.get("reason", ""), force=bool(request.POST.get("force")))
         messages.success(request, f"{request.POST.get('alias', 'production')} → {version}")
     except TemperError as exc:
         messages.error(request, exc.message)

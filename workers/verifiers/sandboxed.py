@@ -341,7 +341,8 @@ def _build_epilogue(tests: str, entry_point: str | None, strict_values: bool, fl
     imported: set[str] = set()
     stored: set[str] = set()
     loaded_builtins: set[str] = set()
-    calls_check = has_import = False
+    calls_check = has_import = has_fstring = False
+    checked: list[ast.Call | ast.Compare] = []  # where _TestRewriter may wrap values (see _spliced)
     for n in ast.walk(tree):  # one pass: what the tests define, import, bind and use
         if isinstance(n, ast.Name):
             if isinstance(n.ctx, ast.Store):
@@ -350,6 +351,11 @@ def _build_epilogue(tests: str, entry_point: str | None, strict_values: bool, fl
                 loaded_builtins.add(n.id)
         elif isinstance(n, ast.Call):
             calls_check = calls_check or (isinstance(n.func, ast.Name) and n.func.id == "check")
+            checked.append(n)
+        elif isinstance(n, ast.Compare):
+            checked.append(n)
+        elif isinstance(n, ast.JoinedStr):
+            has_fstring = True
         elif isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             defined.add(n.name)
         elif isinstance(n, (ast.Import, ast.ImportFrom)):
@@ -376,7 +382,7 @@ def _build_epilogue(tests: str, entry_point: str | None, strict_values: bool, fl
     # Leading definitions (imports, helpers, ``def check``) are setup statements: never scored.
     n_leading = next(i for i, n in enumerate(body) if not isinstance(n, _DEFINITION_NODES))
     leading, body = body[:n_leading], body[n_leading:]
-    lines = tests.splitlines(keepends=True)
+    lines = tests.split("\n")  # as the tokenizer counts lines (splitlines also splits at \x0c, \u2028, ...)
     test_sources = [_segment(lines, n) or ast.unparse(n) for n in body]
     scored_flags = [not isinstance(n, _DEFINITION_NODES) for n in body]
 
@@ -392,14 +398,16 @@ def _build_epilogue(tests: str, entry_point: str | None, strict_values: bool, fl
     setup = f"{check_call}\n"
     exempt, modules = frozenset(_BUILTIN_NAMES | defined | imported), frozenset(imported)
     text = None
-    if text_path:
+    if text_path and not has_fstring and "\r" not in tests:
         # The common case: the tests' own text with the checks spliced in (no unparse: the slow part).
-        text = _spliced(tests, tree, exempt, modules) if strict_values else tests
+        text = _spliced(tests, checked, exempt, modules) if strict_values else tests
         if text is not None:
             text = setup + text + ("" if text.endswith("\n") else "\n") + ("" if appended is None else appended)
-            try:
-                ast.parse(text)
-            except SyntaxError:
+            try:  # the sandbox's own compilation, cached there: the runner finds it done
+                from sandboxes.harness import prepare_epilogue
+
+                prepare_epilogue((_setup_block(), text))
+            except (SyntaxError, ValueError):
                 text = None
     if text is None:
         if strict_values:
@@ -419,7 +427,7 @@ def _segment(lines: list[str], node: ast.stmt) -> str | None:
     raw = [line.encode() for line in lines[node.lineno - 1 : end_line]]
     if len(raw) == 1:
         return raw[0][node.col_offset : end_col].decode()
-    return b"".join([raw[0][node.col_offset :], *raw[1:-1], raw[-1][:end_col]]).decode()
+    return b"\n".join([raw[0][node.col_offset :], *raw[1:-1], raw[-1][:end_col]]).decode()
 
 
 @functools.cache
@@ -437,19 +445,17 @@ def _exempt_call(node: ast.Call, exempt: frozenset[str], modules: frozenset[str]
     return isinstance(root, ast.Name) and root.id in exempt and (root is node.func or root.id in modules)
 
 
-def _spliced(tests: str, tree: ast.Module, exempt: frozenset[str], modules: frozenset[str]) -> str | None:
+def _spliced(tests: str, checked: list[ast.Call | ast.Compare], exempt: frozenset[str], modules: frozenset[str]
+             ) -> str | None:
     """``tests`` with ``<prefix>p(...)`` around exactly the values ``_TestRewriter`` wraps, spliced into the
-    original text by node offsets; None where offsets cannot be trusted (f-strings, ``\\r`` line ends).
+    original text by node offsets (``checked``: every Call and Compare node of the tests). Not for tests
+    with f-strings (positions inside them are unreliable before Python 3.12) or ``\\r`` line ends.
 
     The same wraps as the rewriter: every call that is not exempt, and every comparison operand (unless
     between identity comparisons) that is neither a literal nor such a call. Tested against it.
     """
-    if "\r" in tests:
-        return None
     wraps: list[ast.expr] = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.JoinedStr):
-            return None  # positions inside f-strings are unreliable before Python 3.12
+    for node in checked:
         if isinstance(node, ast.Call):
             if not _exempt_call(node, exempt, modules):
                 wraps.append(node)
@@ -464,15 +470,17 @@ def _spliced(tests: str, tree: ast.Module, exempt: frozenset[str], modules: froz
     if not wraps:
         return tests
     data = tests.encode()
-    starts = [0]
-    for line in tests.splitlines(keepends=True):
-        starts.append(starts[-1] + len(line.encode()))
+    starts = [0]  # byte offset of each line, split at \n only, as the tokenizer counts lines
+    newline = data.find(b"\n")
+    while newline >= 0:
+        starts.append(newline + 1)
+        newline = data.find(b"\n", newline + 1)
     inserts: list[tuple[int, int]] = []  # (byte offset, 0 = close / 1 = open): closes first at one offset
-    for node in wraps:
-        if node.end_lineno is None or node.end_col_offset is None:
+    for value in wraps:
+        if value.end_lineno is None or value.end_col_offset is None:
             return None
-        inserts.append((starts[node.lineno - 1] + node.col_offset, 1))
-        inserts.append((starts[node.end_lineno - 1] + node.end_col_offset, 0))
+        inserts.append((starts[value.lineno - 1] + value.col_offset, 1))
+        inserts.append((starts[value.end_lineno - 1] + value.end_col_offset, 0))
     inserts.sort()
     opening, closing = f"{_PREFIX}p(".encode(), b")"
     out, last = [], 0
