@@ -328,7 +328,8 @@ def version_detail(request: HttpRequest, version_id: int) -> HttpResponse:
         baseline, against = resolve_baseline(version, "parent", visible), "parent"
     config = gate_config(version.run.base_model.promotion_gate)
     comparison = compare(version, baseline, config.suite)
-    lineage, node = [], version
+    lineage: list[PolicyVersion] = []
+    node: PolicyVersion | None = version
     while node is not None and len(lineage) < 200:
         lineage.append(node)
         node = node.parent
