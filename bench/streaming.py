@@ -95,6 +95,7 @@ def prepare(points: int) -> tuple[Any, Any, Any]:
     from tqdm import tqdm
 
     from webapp.catalog.models import BaseModel, TaskDomain
+    from webapp.runs.metrics import rebuild_rollups
     from webapp.runs.models import MetricPoint, Run
 
     user_model = get_user_model()
@@ -132,6 +133,8 @@ def prepare(points: int) -> tuple[Any, Any, Any]:
                                 [loaded.pk, metric, domain])
             bar.update(points)
     Run.objects.filter(pk=loaded.pk).update(metric_seq=100 * points)
+    print("rolling up (what record_points does as workers emit)…", flush=True)
+    rebuild_rollups(loaded.pk)
     if connection.vendor == "postgresql":
         with connection.cursor() as cur:
             cur.execute(f"ANALYZE {table}")
