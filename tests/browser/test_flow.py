@@ -109,6 +109,13 @@ def test_define_a_domain_start_a_run_and_watch_it_live(
     assert page.locator("#prompt").inner_text().strip() != ""
     assert page.locator("#verdict").inner_text() in {"pass", "fail", "invalid", "pending"}
 
+    # every train step so far reported its trainer metrics (what the trainer chart draws)
+    from webapp.runs.models import MetricPoint
+
+    steps = Run.objects.get(pk=run.pk).step
+    reported = set(MetricPoint.objects.filter(run=run, name="loss").values_list("step", flat=True))
+    assert len(reported) >= steps - 2, (steps, sorted(reported))
+
     # cancel (after a confirmation) so the workers stop promptly
     page.go_back()
     page.go_back()

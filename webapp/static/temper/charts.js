@@ -208,6 +208,7 @@
       this.retry = 0;
       this.closed = false;
       this.backfilling = false;
+      this.lastMessage = Date.now();
     }
 
     start(fromSeq) { this.contiguous = fromSeq; this.connect(); }
@@ -220,6 +221,7 @@
       ws.onmessage = ev => {
         let msg;
         try { msg = JSON.parse(ev.data); } catch (e) { return; }
+        this.lastMessage = Date.now();
         if (msg.type === "metrics") this.take(msg.points || []);
         this.h.message(msg);
       };

@@ -106,6 +106,11 @@
     try {
       lastRun = await getJSON(cfg.apiRun);
       showRun(lastRun);
+      // A safety net under the websocket: points the database has and the page lacks (a broadcast that
+      // failed, a channel layer that is down) are fetched once no message has brought them for 3 s.
+      if (stream.contiguous !== null && lastRun.metric_seq > stream.contiguous && Date.now() - stream.lastMessage > 3000) {
+        stream.backfill();
+      }
       const events = await getJSON(cfg.apiRun + "events/?after=" + lastEvent);
       events.forEach(addEvent);
     } catch (err) { /* the next tick tries again */ }
