@@ -165,6 +165,10 @@ def test_a_silent_worker_is_flagged_on_the_run(start_worker, user, api, monkeypa
     run = running_run(user)
     start_worker("control,rollout,train", TEMPER_HEARTBEAT_SECONDS="0.5")
     verify = start_worker("verify", TEMPER_HEARTBEAT_SECONDS="0.5")
+    deadline = time.monotonic() + 10
+    while WorkerHeartbeat.objects.count() < 2:  # the first beat is written by a thread once the worker is up
+        assert time.monotonic() < deadline, list(WorkerHeartbeat.objects.values_list("name", flat=True))
+        time.sleep(0.1)
     names = dict(WorkerHeartbeat.objects.values_list("queues", "name"))
     assert set(names) == {"control,rollout,train", "verify"}
     beat = WorkerHeartbeat.objects.get(name=names["verify"])
@@ -182,5 +186,26 @@ def test_a_silent_worker_is_flagged_on_the_run(start_worker, user, api, monkeypa
     assert events["alert.worker_gone"]["level"] == "warning"
     # the replacement (same node name) clears both alerts
     start_worker("verify", TEMPER_HEARTBEAT_SECONDS="0.5")
-    assert check_run_health(run.pk) == []
+    deadline = time.monotonic() + 10
+    while check_run_health(run.pk) != []:
+        assert time.monotonic() < deadline, check_run_health(run.pk)
+        time.sleep(0.2)
     assert {"alert.worker_gone.cleared", "alert.no_worker.cleared"} <= set(run.events.values_list("kind", flat=True))
+
+
+@pytest.mark.django_db(transaction=True)
+def test_status_changes_are_broadcast_as_run_and_event_messages(user, redis_url):
+    from channels.layers import get_channel_layer
+
+    from webapp.runs.services import do_pause_run
+
+    run = running_run(user)
+    layer = get_channel_layer()
+    channel = async_to_sync(layer.new_channel)()
+    async_to_sync(layer.group_add)(f"run.{run.pk}", channel)
+    do_pause_run(run, reason="for the test")
+    messages = [async_to_sync(asyncio.wait_for)(layer.receive(channel), 5)["payload"] for _ in range(2)]
+    by_type = {m["type"]: m for m in messages}
+    assert by_type["event"]["event"]["kind"] == "status.pausing"
+    assert by_type["run"] == {"type": "run", "status": "pausing", "status_reason": "for the test", "step": 0,
+                              "latest_version": 0}

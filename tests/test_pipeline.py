@@ -19,7 +19,7 @@ from tests import factories
 from webapp.catalog.models import BaseModel, TaskDomain
 from webapp.catalog.services import do_import_tasks
 from webapp.runs import pipeline
-from webapp.runs.models import MetricPoint, PolicyVersion, PromptGroup, Run, Trajectory
+from webapp.runs.models import Evaluation, MetricPoint, PolicyVersion, PromptGroup, Run, Trajectory
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
@@ -59,7 +59,7 @@ def assert_counts_add_up(run: Run) -> None:
     assert set(report.by_status) <= {"trained", "dropped"}, report.by_status
     assert report.by_status["trained"] == run.step * run.spec["pipeline"]["batch_prompts"]
     assert report.admitted == report.by_status["trained"] + report.by_status.get("dropped", 0)
-    assert list(PolicyVersion.objects.filter(run=run).values_list("number", flat=True)) == list(
+    assert list(PolicyVersion.objects.filter(run=run, number__gt=0).values_list("number", flat=True)) == list(
         range(1, run.step + 1))
 
 
@@ -79,7 +79,7 @@ def test_a_short_run_completes_and_the_counts_add_up(loop_workers, api, user):
     assert api.post(f"/api/v1/runs/{run_id}/start/", {}, format="json").status_code == 200
     run = wait_status(run_id, {"completed"})
     assert run.step == 3 and run.latest_version == 3
-    assert list(PolicyVersion.objects.filter(run=run).values_list("number", flat=True)) == [1, 2, 3]
+    assert list(PolicyVersion.objects.filter(run=run).values_list("number", flat=True)) == [0, 1, 2, 3]  # 0: base
     groups = dict(PromptGroup.objects.filter(run=run).values_list("status").annotate(n=Count("id")))
     assert groups.get("trained") == 12  # 3 steps x B=4
     for group in PromptGroup.objects.filter(run=run, status="dropped"):
@@ -97,6 +97,17 @@ def test_a_short_run_completes_and_the_counts_add_up(loop_workers, api, user):
     assert seqs == list(range(1, len(seqs) + 1))
     kinds = list(run.events.values_list("kind", flat=True))
     assert kinds[:3] == ["created", "status.queued", "status.running"] and kinds[-1] == "status.completed"
+    assert_counts_add_up(run)
+    # the base model (version 0) was evaluated on the held-out tasks, scored per task on the verify queue
+    evaluations = Evaluation.objects.filter(version__run=run, version__number__in=[0, 3], status="done")
+    deadline = time.monotonic() + 60
+    while evaluations.count() < 2:
+        assert time.monotonic() < deadline, list(Evaluation.objects.values_list("version__number", "status"))
+        time.sleep(0.3)
+    for evaluation in evaluations:
+        assert evaluation.n_tasks == 20 and evaluation.results["greedy"] and len(evaluation.results["tasks"]) == 20
+        assert evaluation.score == sum(s for _, s in evaluation.results["tasks"]) / 20
+    assert Trajectory.objects.filter(run=run, is_eval=True, verdict="pending").count() == 0
 
 
 def test_pause_keeps_work_and_resume_continues(loop_workers, api, user):

@@ -99,10 +99,25 @@ def test_a_retried_prompt_counts_towards_its_domains_share():
     assert p.retry == {1: 2} and p.admit == {2: 2}
 
 
-def test_generation_is_handed_out_in_whole_chunks_while_a_chunk_waits():
+def test_generation_is_handed_out_in_whole_chunks_while_the_gpu_worker_has_work():
     limits = Limits(batch_groups=8, max_staleness=4, rollout_batch=8, max_in_flight=10, max_steps=1000)
     # two groups of room, but a rollout task is still to come for 8 others: wait for a whole chunk
     assert plan(state(running=8, waiting=8), limits).admit_total == 0
-    # nothing waits for a rollout worker: a partial chunk keeps it busy
+    # ... or a train step is running, or about to be claimed
+    assert plan(state(running=8, training=True), limits).admit_total == 0
+    assert plan(state(running=8, accepted=8, ready=8), limits).admit_total == 0
+    # nothing else for the device to do: a partial chunk keeps it busy
     assert plan(state(running=8, waiting=0), limits).admit_total == 2
     assert plan(state(running=0, waiting=0), limits).admit_total == 8
+
+
+def test_async_admits_the_next_prompts_while_a_step_trains():
+    ahead = Limits(batch_groups=4, max_staleness=1, rollout_batch=4, max_in_flight=100, max_steps=100,
+                   admit_ahead=True)
+    at_bound = state(version=2, step=2, accepted=12, running=4)  # (1 + 2 + 1) * 4 = 16 admitted: no room
+    assert admission_capacity(at_bound, ahead) == 0
+    # step 3 is claimed: its version exists before these prompts reach the device
+    assert admission_capacity(state(version=2, step=2, accepted=12, running=4, training=True), ahead) == 4
+    # the synchronous mode never does: generation waits for the step
+    sync = Limits(batch_groups=4, max_staleness=0, rollout_batch=4, max_in_flight=100, max_steps=100)
+    assert admission_capacity(state(version=2, step=2, accepted=12, running=0, training=True), sync) == 0

@@ -51,8 +51,10 @@ def version_dir(run_id: int, number: int) -> Path | None:
 def limits_for(spec: RunSpec) -> Limits:
     p = spec.pipeline
     staleness = 0 if p.mode == "sync" else p.max_staleness
+    # In flight (admitted, not yet verified): two batches, or every batch the staleness bound lets ahead
+    in_flight = max(max(p.rollout_batch_prompts, p.batch_prompts) * 2, (staleness + 1) * p.batch_prompts)
     return Limits(batch_groups=p.batch_prompts, max_staleness=staleness, rollout_batch=p.rollout_batch_prompts,
-                  max_in_flight=max(p.rollout_batch_prompts, p.batch_prompts) * 2, max_steps=spec.max_steps)
+                  max_in_flight=in_flight, max_steps=spec.max_steps, admit_ahead=p.mode == "async")
 
 
 def snapshot(run: Run) -> PipelineState:
@@ -213,15 +215,21 @@ def finish_verification(group: PromptGroup, max_retries: int) -> str | None:
     return status if changed else None
 
 
+def drop_stale(run: Run, max_staleness: int, step: int) -> int:
+    """Drop ready groups generated more than ``max_staleness`` versions before the newest (too off-policy)."""
+    return PromptGroup.objects.filter(run=run, status=G.READY,
+                                      generated_version__lt=run.latest_version - max_staleness).update(
+        status=G.DROPPED, drop_reason=f"staler than {max_staleness} version(s) at step {step}",
+        retry_pending=False, updated_at=timezone.now())
+
+
 def claim_train_batch(run: Run, step: int, batch: int, max_staleness: int) -> list[PromptGroup]:
     """Claim B ready groups for train step ``step`` (or re-find them when this step is redelivered)."""
     with transaction.atomic():
         Run.objects.select_for_update().filter(pk=run.pk).first()
         claimed = list(PromptGroup.objects.filter(run=run, status=G.TRAINING, trained_step=step))
         if not claimed:
-            oldest_allowed = run.latest_version - max_staleness
-            stale = PromptGroup.objects.filter(run=run, status=G.READY, generated_version__lt=oldest_allowed)
-            stale.update(status=G.DROPPED, drop_reason=f"staler than {max_staleness} version(s) at step {step}")
+            drop_stale(run, max_staleness, step)
             ids = list(PromptGroup.objects.filter(run=run, status=G.READY).order_by("id")
                        .values_list("id", flat=True)[:batch])
             if len(ids) < batch:
@@ -261,7 +269,9 @@ def finish_train_step(run: Run, step: int, groups: list[PromptGroup], *, version
         state = dict(locked.state)
         state.pop("train_claim", None)
         state.pop("train_claim_at", None)
-        state["last_step_at"] = finished_at  # wall clock of the last step: the GPU-busy fraction's window
+        # wall clock of the last two steps: the GPU-busy fraction's window
+        state["step_window"] = [state.get("last_step_at") or finished_at, finished_at]
+        state["last_step_at"] = finished_at
         Run.objects.filter(pk=run.pk).update(step=step, latest_version=number, state=state,
                                              updated_at=timezone.now())
     return version
@@ -302,6 +312,11 @@ def generate_task_id(run_id: int, first_group_id: int, attempt: int) -> str:
 
 def verify_task_id(run_id: int, group_id: int, attempt: int) -> str:
     return f"verify-r{run_id}-g{group_id}-a{attempt}"
+
+
+def eval_key(version: int, samples: int, task_id: int) -> str:
+    """The group key of a held-out task's evaluation samples (``Trajectory.is_eval``)."""
+    return f"eval-v{version}-k{samples}-t{task_id}"
 
 
 def train_task_id(run_id: int, step: int) -> str:

@@ -15,8 +15,9 @@ never scored 0) is admitted again ahead of new prompts, at most ``invalid_retrie
 spread across domains by weight (largest deficit first, higher priority first), so hundreds of domains
 share the budget in proportion. Backpressure: at most ``max_in_flight`` groups are in flight, so a slow
 verifier or trainer holds generation back instead of growing queues without bound. Generation is handed
-out in whole chunks of ``rollout_batch`` while earlier prompts still wait for a rollout worker, so the GPU
-worker runs a few large batches rather than many small ones (each task has a fixed cost).
+out in whole chunks of ``rollout_batch`` while the GPU worker has other work queued (prompts waiting for
+a rollout task, or a train step), so it runs a few large batches rather than many small ones (each task
+has a fixed cost); a partial chunk goes out only when the device would otherwise idle.
 
 Pure: plain dataclasses in, plain dataclasses out; no Django, no Celery, no torch.
 """
@@ -66,6 +67,9 @@ class Limits:
     max_in_flight: int
     """Backpressure: most groups admitted but not yet verified."""
     max_steps: int
+    admit_ahead: bool = False
+    """Count a claimed train step as done when computing the staleness room (async mode): the next prompts
+    are admitted while it trains, and reach the device after it, under the version it produces."""
 
 
 @dataclass
@@ -85,7 +89,8 @@ class Plan:
 
 def admission_capacity(state: PipelineState, limits: Limits) -> int:
     """How many more groups may start under the staleness bound and the in-flight bound."""
-    staleness_room = (limits.max_staleness + state.version + 1) * limits.batch_groups - (state.accepted + state.running)
+    version = state.version + (1 if limits.admit_ahead and state.training else 0)
+    staleness_room = (limits.max_staleness + version + 1) * limits.batch_groups - (state.accepted + state.running)
     flight_room = limits.max_in_flight - state.running
     steps_left = limits.max_steps - state.step
     # never admit more than the remaining steps can train
@@ -134,8 +139,10 @@ def plan(state: PipelineState, limits: Limits) -> Plan:
         return result
     result.train = not state.training and state.ready >= limits.batch_groups
     capacity = admission_capacity(state, limits)
-    if state.waiting > 0 and capacity < min(limits.rollout_batch, limits.batch_groups):
-        # a rollout task is still to come: wait for a whole chunk rather than queue a small one behind it
+    if capacity < min(limits.rollout_batch, limits.batch_groups) and (
+            state.waiting > 0 or state.training or result.train):
+        # the GPU worker has work queued (a rollout task still to come, or a train step): wait for room
+        # for a whole chunk rather than queue a small one, each task having a fixed cost
         capacity = 0
     result.retry = take_retries(state.domains, capacity)
     # a retried prompt counts towards its domain's share, like any other admission

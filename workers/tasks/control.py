@@ -6,6 +6,7 @@ import logging
 import time
 from datetime import timedelta
 from functools import partial
+from typing import Any
 
 from django.db import transaction
 from django.utils import timezone
@@ -69,6 +70,8 @@ def advance_run(run_id: int) -> str:
             if run.status == RunStatus.RUNNING:
                 spec = RunSpec.model_validate(run.spec)
                 limits = pipeline.limits_for(spec)
+                # a group too stale to train must not count towards a batch: the claim would find nothing
+                pipeline.drop_stale(run, limits.max_staleness, run.step + 1)
                 decision = plan(pipeline.snapshot(run), limits)
                 if decision.complete:
                     services.do_complete_run(run, f"reached max_steps={spec.max_steps}")
@@ -138,3 +141,105 @@ def _kick_seconds() -> float:
 app.conf.beat_schedule = {
     "kick-active-runs": {"task": "workers.tasks.control.kick_active_runs", "schedule": _kick_seconds()},
 }
+
+
+@app.task(name="workers.tasks.control.report_step", ignore_result=True)
+def report_step(run_id: int, step: int) -> int:
+    """Metrics of a finished train step, read back from the database; then health checks and evaluation.
+
+    Runs on the control queue so that the GPU worker goes back to the device as soon as the step is
+    recorded. Idempotent: a step is reported once (``PolicyVersion.metrics["reported"]``).
+    """
+    from webapp.runs.models import PolicyVersion, Run
+    from workers.pipeline.spec import RunSpec
+    from workers.tasks.health import check_run_health
+    from workers.tasks.rollout import evaluate
+    from workers.telemetry import emit
+
+    with transaction.atomic():
+        version = PolicyVersion.objects.select_for_update().filter(run_id=run_id, step=step, number__gt=0).first()
+        run = Run.objects.filter(pk=run_id).first()
+        if version is None or run is None or version.metrics.get("reported"):
+            return 0
+        PolicyVersion.objects.filter(pk=version.pk).update(metrics={**version.metrics, "reported": True})
+        points = step_points(run, version)
+        emit(run_id, points)
+    check_run_health(run_id)
+    spec = RunSpec.model_validate(run.spec)
+    if spec.eval_every and version.number % spec.eval_every == 0:
+        evaluate.delay(run_id, version.number)
+    return len(points)
+
+
+def step_points(run: Any, version: Any) -> list[Any]:
+    """The metric points of train step ``version.step``: trainer, data, stage timings, queue depths."""
+    import statistics
+    from collections import Counter, defaultdict
+
+    from django.db.models import Count
+
+    from webapp.runs import pipeline
+    from webapp.runs.metrics import Point
+    from webapp.runs.models import PromptGroup, Trajectory, Verdict
+
+    step, m = version.step, version.metrics
+    points = [Point(name, step, float(m[name])) for name in (
+        "loss", "clip_fraction", "kl", "entropy", "grad_norm", "iw_mean", "iw_max", "tokens_trained", "reward_mean",
+        "train_seconds", "train_task_seconds", "train_queue_wait_s") if isinstance(m.get(name), (int, float))]
+    points.append(Point("nonfinite", step, float(bool(m.get("nonfinite")))))
+    groups = list(PromptGroup.objects.filter(run=run, trained_step=step, status=PromptGroup.Status.TRAINED))
+    points.append(Point("zero_variance_share", step,
+                        float(m.get("groups_dropped_zero_variance") or 0) / max(1, len(groups))))
+    samples = list(Trajectory.objects.filter(run=run, trained_step=step).values_list(
+        "domain_id", "version", "verdict", "reward", "finish_reason", "verify_latency_ms", "completion_token_ids"))
+    total = len(samples)
+    lags = [version.number - 1 - v for _, v, *_ in samples]
+    points += [
+        Point("invalid_rate", step, sum(s[2] == Verdict.INVALID for s in samples) / max(1, total)),
+        Point("truncation_rate", step, sum(s[4] == "length" for s in samples) / max(1, total)),
+        Point("staleness_mean", step, statistics.fmean(lags) if lags else 0.0),
+        Point("staleness_max", step, float(max(lags, default=0))),
+    ]
+    points += [Point(f"staleness_lag_{lag}", step, float(n)) for lag, n in sorted(Counter(lags).items())]
+    rewards: defaultdict[int | None, list[float]] = defaultdict(list)
+    latency: defaultdict[int | None, list[float]] = defaultdict(list)
+    for domain_id, _, _, reward, _, latency_ms, _ in samples:
+        if reward is not None:
+            rewards[domain_id].append(reward)
+        if latency_ms is not None:
+            latency[domain_id].append(latency_ms)
+    for domain_id, values in rewards.items():
+        points.append(Point("reward", step, statistics.fmean(values), domain_id=domain_id))
+        points.append(Point("pass_rate", step, sum(r >= 1.0 for r in values) / len(values), domain_id=domain_id))
+    for domain_id, values in latency.items():
+        points.append(Point("verify_latency_ms_p50", step, quantile(values, 0.5), domain_id=domain_id))
+        points.append(Point("verify_latency_ms_p95", step, quantile(values, 0.95), domain_id=domain_id))
+    for name, attr in (("verify_queue_wait_s", "verify_wait_s"), ("verify_group_s", "verify_s")):
+        per_domain: defaultdict[int | None, list[float]] = defaultdict(list)
+        for g in groups:
+            if getattr(g, attr) is not None:
+                per_domain[g.domain_id].append(getattr(g, attr))
+        for domain_id, values in per_domain.items():
+            points.append(Point(f"{name}_p50", step, quantile(values, 0.5), domain_id=domain_id))
+            points.append(Point(f"{name}_p95", step, quantile(values, 0.95), domain_id=domain_id))
+    generated = sum(g.generate_s for g in groups if g.generate_s is not None)
+    if generated > 0:
+        tokens = sum(len(s[6] or []) for s in samples)
+        points += [Point("generate_seconds", step, generated), Point("tokens_per_s", step, tokens / generated),
+                   Point("trajectories_per_s", step, total / generated)]
+    waits = [g.generate_wait_s for g in groups if g.generate_wait_s is not None]
+    if waits:
+        points.append(Point("generate_queue_wait_s", step, statistics.fmean(waits)))
+    counts = dict(PromptGroup.objects.filter(run=run).values_list("status").annotate(n=Count("id")))
+    for status in ("admitted", "generating", "verifying", "ready"):
+        points.append(Point(f"groups_{status}", step, float(counts.get(status, 0))))
+    points.append(Point("in_flight", step, float(sum(counts.get(s, 0) for s in ("admitted", "generating", "verifying")))))
+    window = run.state.get("step_window")  # [previous step's end, this step's end], wall clock
+    if window and window[1] > window[0] and run.step == step:
+        points.append(Point("gpu_busy", step, min(1.0, pipeline.take_busy(run.pk) / (window[1] - window[0]))))
+    return points
+
+
+def quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]

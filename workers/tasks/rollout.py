@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import statistics
 from typing import Any
 
 from workers.celery import app
@@ -30,7 +29,6 @@ def generate(run_id: int, group_ids: list[int]) -> int:
     from workers.tasks import resident
     from workers.tasks.control import advance_run
     from workers.tasks.verify import verify_batch
-    from workers.telemetry import busy
 
     run = Run.objects.select_related("base_model").filter(pk=run_id).first()
     if run is None:
@@ -44,11 +42,14 @@ def generate(run_id: int, group_ids: list[int]) -> int:
         return 0
     claimed_at = timezone.now()
     spec = RunSpec.model_validate(run.spec)
-    engine = resident.engine_for(run.engine, pipeline.resolve_model_path(run.base_model), seed=spec.seed)
     group_size = spec.pipeline.group_size
-    with busy(run_id) as timer:  # switching to the newest version is device work too
-        if engine.version != run.latest_version:
-            engine.set_version(pipeline.version_dir(run.pk, run.latest_version))
+    resident.after_training(run_id)
+    with resident.device(run_id) as timer:  # switching to the newest version is device work too
+        # the newest version now that this task holds the device (a train step may just have finished)
+        latest = Run.objects.filter(pk=run_id).values_list("latest_version", flat=True).get()
+        engine = resident.engine_for(run.engine, pipeline.resolve_model_path(run.base_model), seed=spec.seed)
+        if engine.version != latest:
+            engine.set_version(pipeline.version_dir(run.pk, latest))
         samples = engine.generate([g.task.prompt if g.task else "" for g in groups], _sampling(spec, group_size))
     rows = [
         pipeline.SampleRow(group_id=groups[i // group_size].pk, index=i % group_size, prompt=s.prompt,
@@ -68,65 +69,52 @@ def generate(run_id: int, group_ids: list[int]) -> int:
     return len(samples)
 
 
-@app.task(name="workers.tasks.rollout.evaluate")
-def evaluate(run_id: int, version: int) -> dict[str, float]:
-    """Greedy held-out evaluation of one version of a run, per domain; completes the run at its target."""
+@app.task(name="workers.tasks.rollout.evaluate", ignore_result=True)
+def evaluate(run_id: int, version: int) -> int:
+    """Held-out evaluation of one version of a run, the device half: sample every domain's held-out tasks.
+
+    Greedy, or ``n_samples`` completions per task when an evaluation was requested that way (pass@k). The
+    completions are stored as evaluation samples (``Trajectory.is_eval``) and scored on the verify queue
+    (``score_evaluation``), so a slow verifier never holds the GPU worker. Version 0 is the base model.
+    """
     from webapp.catalog.models import Task
-    from webapp.runs import pipeline, services
-    from webapp.runs.metrics import Point
-    from webapp.runs.models import Evaluation, PolicyVersion, Run, RunStatus
+    from webapp.runs import pipeline
+    from webapp.runs.models import Evaluation, PolicyVersion, Run, RunStatus, Trajectory
     from workers.pipeline.spec import RunSpec
     from workers.tasks import resident
-    from workers.tasks.control import advance_run
-    from workers.tasks.verify import judge
-    from workers.telemetry import busy, emit
+    from workers.tasks.verify import score_evaluation
 
     run = Run.objects.select_related("base_model").filter(pk=run_id).first()
     if run is None or run.status in (RunStatus.CANCELLED, RunStatus.FAILED):
-        return {}
+        return 0
+    if version == 0:  # the base model: a version row of its own, so it can be compared with
+        version_row, _ = PolicyVersion.objects.get_or_create(run=run, number=0, defaults={"step": 0})
+    elif (found := PolicyVersion.objects.filter(run=run, number=version).first()) is not None:
+        version_row = found
+    else:
+        return 0
     spec = RunSpec.model_validate(run.spec)
-    engine = resident.engine_for(run.engine, pipeline.resolve_model_path(run.base_model), seed=spec.seed)
-    with busy(run_id):
-        engine.set_version(pipeline.version_dir(run.pk, version))
-    version_row = PolicyVersion.objects.filter(run=run, number=version).first()
-    scores: dict[str, float] = {}
-    points = []
-    weights = []
-    step = version_row.step if version_row else 0
+    k = max(Evaluation.objects.filter(version=version_row, suite="heldout", status=Evaluation.Status.PENDING)
+            .values_list("n_samples", flat=True), default=1)
     per_domain = []
-    for rd in run.run_domains.select_related("domain__verifier"):
+    for rd in run.run_domains.select_related("domain"):
         tasks = list(Task.objects.filter(domain=rd.domain, split=Task.Split.HELDOUT).order_by("id")[: spec.eval_tasks])
         if tasks:
             per_domain.append((rd, tasks))
-    prompts = [t.prompt for _, tasks in per_domain for t in tasks]
-    with busy(run_id):  # every domain's prompts in one batch
-        outputs = engine.generate(prompts, _sampling(spec, 1, greedy=True)) if prompts else []
-    offset = 0
-    for rd, tasks in per_domain:
-        samples = outputs[offset:offset + len(tasks)]
-        offset += len(tasks)
-        verdicts = [judge(rd.domain.verifier, t.prompt, s.text, t.reference) for t, s in zip(tasks, samples, strict=True)]
-        valid = [v for v in verdicts if v.status != "invalid"]
-        score = statistics.fmean(v.score or 0.0 for v in valid) if valid else 0.0
-        pass_rate = sum(v.status == "pass" for v in valid) / max(1, len(valid))
-        if version_row is not None:
-            Evaluation.objects.update_or_create(
-                version=version_row, domain=rd.domain, suite="heldout",
-                defaults={"status": Evaluation.Status.DONE, "n_tasks": len(tasks), "score": score,
-                          "pass_rate": pass_rate, "invalid_count": len(verdicts) - len(valid),
-                          "results": {"greedy": True}})
-        scores[rd.domain.name] = score
-        weights.append((score, rd.weight))
-        points.append(Point("heldout_reward", step, score, domain_id=rd.domain_id))
-    if weights:
-        overall = sum(s * w for s, w in weights) / sum(w for _, w in weights)
-        scores["overall"] = overall
-        points.append(Point("heldout_reward", step, overall))
-        emit(run_id, points)
-        if version_row is not None:
-            PolicyVersion.objects.filter(pk=version_row.pk).update(metrics={**version_row.metrics, "heldout": scores})
-        if (spec.target_reward is not None and version > 0 and overall >= spec.target_reward
-                and run.status == RunStatus.RUNNING):
-            services.do_complete_run(run, f"held-out reward {overall:.3f} reached the target {spec.target_reward}")
-            advance_run.delay(run_id)  # drops what the completed run still had in flight, with the reason
-    return scores
+    tasks = [t for _, domain_tasks in per_domain for t in domain_tasks]
+    with resident.device(run_id):  # every domain's prompts in one batch
+        engine = resident.engine_for(run.engine, pipeline.resolve_model_path(run.base_model), seed=spec.seed)
+        engine.set_version(pipeline.version_dir(run.pk, version))
+        outputs = engine.generate([t.prompt for t in tasks], _sampling(spec, k, greedy=k == 1)) if tasks else []
+    Trajectory.objects.bulk_create([
+        Trajectory(run=run, task=t, domain_id=t.domain_id, group_key=pipeline.eval_key(version, k, t.pk),
+                   sample_index=i % k, version=version, prompt=s.prompt, completion=s.text,
+                   prompt_token_ids=s.prompt_token_ids, completion_token_ids=s.completion_token_ids,
+                   finish_reason=s.finish_reason, is_eval=True)
+        for i, (t, s) in enumerate(zip((t for t in tasks for _ in range(k)), outputs, strict=True))
+    ], ignore_conflicts=True)
+    for rd, domain_tasks in per_domain:
+        Evaluation.objects.update_or_create(version=version_row, domain=rd.domain, suite="heldout", defaults={
+            "status": Evaluation.Status.RUNNING, "n_tasks": len(domain_tasks), "n_samples": k})
+    score_evaluation.delay(run_id, version, k)
+    return len(outputs)

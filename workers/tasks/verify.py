@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from workers.celery import app
 
 log = logging.getLogger(__name__)
+
+
+def remote_judge(verifier_row: Any) -> bool:
+    """An ``llm_judge`` verifier with an HTTP endpoint: it waits on the network, so judging is I/O-bound."""
+    return bool(verifier_row is not None and verifier_row.kind == "llm_judge" and (verifier_row.config or {}).get("endpoint"))
 
 
 def judge(verifier_row: Any, prompt: str, completion: str, reference: Any) -> Any:
@@ -63,13 +69,18 @@ def verify_group(group_id: int) -> str:
     started, wait = time.monotonic(), (timezone.now() - group.updated_at).total_seconds()
     reference = group.task.reference if group.task else {}
     verifier = group.domain.verifier if group.domain else None
-    pending = Trajectory.objects.filter(run_id=group.run_id, group_key=group.key, verdict=Verdict.PENDING)
-    verdicts = [(t.pk, judge(verifier, t.prompt, t.completion, reference))
-                for t in pending.only("id", "prompt", "completion").order_by("sample_index")]
+    pending = list(Trajectory.objects.filter(run_id=group.run_id, group_key=group.key, verdict=Verdict.PENDING)
+                   .only("id", "prompt", "completion").order_by("sample_index"))
+    if remote_judge(verifier) and len(pending) > 1:
+        # a remote judge spends its time waiting on the network: ask it about every sample at once
+        with ThreadPoolExecutor(max_workers=min(len(pending), 16)) as pool:
+            results = list(pool.map(lambda t: judge(verifier, t.prompt, t.completion, reference), pending))
+    else:  # in-process and sandboxed verifiers: one at a time (some use signals, main thread only)
+        results = [judge(verifier, t.prompt, t.completion, reference) for t in pending]
     with transaction.atomic():
-        for pk, verdict in verdicts:
-            pipeline.record_verdict(pk, status=verdict.status, score=verdict.score, reason=verdict.reason or "",
-                                    details=verdict.to_dict().get("details", {}), latency_ms=verdict.latency_ms)
+        for t, v in zip(pending, results, strict=True):
+            pipeline.record_verdict(t.pk, status=v.status, score=v.score, reason=v.reason or "",
+                                    details=v.to_dict().get("details", {}), latency_ms=v.latency_ms)
         PromptGroup.objects.filter(pk=group.pk, verify_s__isnull=True).update(
             verify_wait_s=wait, verify_s=time.monotonic() - started)
     spec = RunSpec.model_validate(group.run.spec)
@@ -84,6 +95,84 @@ def verify_group(group_id: int) -> str:
             or (ready >= spec.pipeline.batch_prompts and not state.get("train_claim"))):
         advance_run.delay(group.run_id)
     return status
+
+
+@app.task(name="workers.tasks.verify.score_evaluation", ignore_result=True)
+def score_evaluation(run_id: int, version: int, samples: int) -> dict[str, float]:
+    """Held-out evaluation, the judging half: score the samples ``evaluate`` wrote, per domain.
+
+    A task's score is its sample's reward (greedy), or 1 when any of its ``samples`` completions passes
+    (pass@k). Invalid verdicts are left out and counted. Each domain's Evaluation gets the per-task scores
+    (``results["tasks"]``, what version comparisons pair on); greedy scores become ``heldout_reward``
+    points (pass@k ones ``heldout_pass_at_<k>``), and a greedy overall score at the run's target completes it.
+    """
+    import statistics
+    from collections import defaultdict
+
+    from django.db import transaction
+
+    from webapp.runs import pipeline, services
+    from webapp.runs.metrics import Point
+    from webapp.runs.models import Evaluation, PolicyVersion, Run, RunStatus, Trajectory, Verdict
+    from workers.pipeline.spec import RunSpec
+    from workers.tasks.control import advance_run
+    from workers.telemetry import emit
+
+    run = Run.objects.filter(pk=run_id).first()
+    version_row = PolicyVersion.objects.filter(run_id=run_id, number=version).first()
+    if run is None or version_row is None:
+        return {}
+    spec = RunSpec.model_validate(run.spec)
+    scores: dict[str, float] = {}
+    weighted: list[tuple[float, float]] = []
+    name = "heldout_reward" if samples == 1 else f"heldout_pass_at_{samples}"
+    points = []
+    prefix = pipeline.eval_key(version, samples, 0)[:-1]
+    for rd in run.run_domains.select_related("domain__verifier"):
+        rows = list(Trajectory.objects.filter(run=run, is_eval=True, domain=rd.domain, group_key__startswith=prefix)
+                    .select_related("task").only("id", "prompt", "completion", "verdict", "reward", "task__reference"))
+        if not rows:
+            continue
+        judged = [(t, judge(rd.domain.verifier, t.prompt, t.completion, t.task.reference if t.task else {}))
+                  for t in rows if t.verdict == Verdict.PENDING]
+        with transaction.atomic():
+            for t, v in judged:
+                pipeline.record_verdict(t.pk, status=v.status, score=v.score, reason=v.reason or "",
+                                        details=v.to_dict().get("details", {}), latency_ms=v.latency_ms)
+                t.verdict, t.reward = v.status, v.score
+        per_task: defaultdict[int, list[tuple[str, float | None]]] = defaultdict(list)
+        for t in rows:
+            per_task[t.task_id or 0].append((t.verdict, t.reward))
+        results, passed, invalid = [], 0, 0
+        for task_id, outcomes in per_task.items():
+            valid = [(v, r) for v, r in outcomes if v != Verdict.INVALID]
+            invalid += len(outcomes) - len(valid)
+            if not valid:
+                continue
+            ok = any(v == Verdict.PASS for v, _ in valid)
+            passed += ok
+            results.append([task_id, float(ok) if samples > 1 else float(valid[0][1] or 0.0)])
+        score = statistics.fmean(s for _, s in results) if results else 0.0
+        Evaluation.objects.update_or_create(version=version_row, domain=rd.domain, suite="heldout", defaults={
+            "status": Evaluation.Status.DONE, "n_tasks": len(per_task), "n_samples": samples, "score": score,
+            "pass_rate": passed / max(1, len(results)), "invalid_count": invalid,
+            "results": {"greedy": samples == 1, "samples": samples, "tasks": results}})
+        scores[rd.domain.name] = score
+        weighted.append((score, rd.weight))
+        points.append(Point(name, version_row.step, score, domain_id=rd.domain_id))
+    if not weighted:
+        return scores
+    overall = sum(s * w for s, w in weighted) / sum(w for _, w in weighted)
+    scores["overall"] = overall
+    points.append(Point(name, version_row.step, overall))
+    emit(run_id, points)
+    key = "heldout" if samples == 1 else f"heldout_pass_at_{samples}"
+    PolicyVersion.objects.filter(pk=version_row.pk).update(metrics={**version_row.metrics, key: scores})
+    if (samples == 1 and spec.target_reward is not None and version > 0 and overall >= spec.target_reward
+            and run.status == RunStatus.RUNNING):
+        services.do_complete_run(run, f"held-out reward {overall:.3f} reached the target {spec.target_reward}")
+        advance_run.delay(run_id)  # drops what the completed run still had in flight, with the reason
+    return scores
 
 
 @app.task(name="workers.tasks.verify.calibrate_verifier")

@@ -120,7 +120,10 @@ class Command(BaseCommand):
         # (an embedded `worker -B` beat could outlive its worker when Ctrl-C came during its start).
         self._spawn("beat", [py, "-m", "celery", "-A", "workers.celery", "beat", "-l", "INFO",
                              "-s", str(var / "celerybeat-schedule")])
-        self._spawn("worker-gpu", [*celery, "-Q", "rollout,train", "-n", "gpu@%h", "--pool", "solo"])
+        # Two task threads share the device (workers/tasks/resident.py): one computes while the other reads
+        # its batch or writes its results, so the device does not wait on the database.
+        self._spawn("worker-gpu", [*celery, "-Q", "rollout,train", "-n", "gpu@%h", "--pool", "threads",
+                                   "--concurrency", "2"])
         self._spawn("worker-sandbox", [*celery, "-Q", "verify", "-n", "sandbox@%h",
                                        "--concurrency", str(opts["verify_concurrency"])])
         self._spawn("web", [py, "-m", "daphne", "-b", opts["host"], "-p", str(opts["port"]), "webapp.asgi:application"])
