@@ -33,8 +33,9 @@ def one_thread() -> Iterator[None]:
     [
         # Measured: full fine-tune at lr 1e-4 goes 34% -> 78-85% in ~160 s of uncontended CPU.
         pytest.param(TrainerConfig(lr=1e-4, lora_rank=0, seed=0), id="full"),
-        # Measured: LoRA r=16 at lr 5e-4 goes 34% -> 79% in ~250 steps (~125 s).
-        pytest.param(TrainerConfig(lr=5e-4, lora_rank=16, seed=0), id="lora"),
+        # LoRA r=16 at lr 5e-4 also goes 34% -> 79% in ~250 steps (~125 s) with this engine; to keep
+        # `make test` near 15 minutes, LoRA learning is shown by the vLLM test below (the same trainer and
+        # adapter code, 34% -> 80%) and by tests/test_planted_regression.py, not run twice here.
     ],
 )
 def test_grpo_with_torch_engine_gains_40_points(
