@@ -203,11 +203,11 @@ def step_points(run: Any, version: Any) -> list[Any]:
     points += [Point(f"staleness_lag_{lag}", step, float(n)) for lag, n in sorted(Counter(lags).items())]
     rewards: defaultdict[int | None, list[float]] = defaultdict(list)
     latency: defaultdict[int | None, list[float]] = defaultdict(list)
-    for domain_id, _, _, reward, _, latency_ms, _ in samples:
+    for sample_domain, _, _, reward, _, latency_ms, _ in samples:
         if reward is not None:
-            rewards[domain_id].append(reward)
+            rewards[sample_domain].append(reward)
         if latency_ms is not None:
-            latency[domain_id].append(latency_ms)
+            latency[sample_domain].append(latency_ms)
     for domain_id, values in rewards.items():
         points.append(Point("reward", step, statistics.fmean(values), domain_id=domain_id))
         points.append(Point("pass_rate", step, sum(r >= 1.0 for r in values) / len(values), domain_id=domain_id))
