@@ -22,8 +22,8 @@ is done (the engine and trainer are loaded by then) and lasts ``--seconds``:
   training (with saving the version) over the window, from the busy-seconds total its heartbeat reports
   every second (``WorkerHeartbeat.busy_seconds``);
 * held-out reward: greedy exact match on the domain's 1,620 held-out tasks, scored here with the judge's
-  rule but without its delay, averaged over the three newest versions at the window's end (one
-  checkpoint's score swings by several points from step to step).
+  rule but without its delay, averaged over the versions saved in the window's last 10 s (at least the
+  three newest): one checkpoint's score swings by several points from step to step.
 
 The last line is ``result: key=value ...``; ``pass=true`` when async reaches >= 1.5x the sync mode's
 trajectories/s, a GPU-busy fraction >= 0.9, and a held-out reward no worse than sync's (within
@@ -47,6 +47,7 @@ import subprocess
 import sys
 import threading
 import time
+from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -260,7 +261,7 @@ def heldout_reward(run: Any, domain: Any, version: int) -> float:
 
 def measure(mode: str, args: argparse.Namespace, owner: Any, base_model: Any, domain: Any,
             procs: Processes) -> dict[str, float]:
-    from webapp.runs.models import PromptGroup, Run, Trajectory
+    from webapp.runs.models import PolicyVersion, PromptGroup, Run, Trajectory
     from webapp.runs.services import DomainWeight, do_cancel_run, do_create_run, do_start_run
 
     run = do_create_run(owner, name=f"bench {mode}", base_model=base_model, domains=[DomainWeight(domain)],
@@ -298,8 +299,13 @@ def measure(mode: str, args: argparse.Namespace, owner: Any, base_model: Any, do
     gpu_busy = (beat1.busy_seconds - beat0.busy_seconds) / (beat1.last_seen - beat0.last_seen).total_seconds()
     latencies = sorted(Trajectory.objects.filter(run=run, is_eval=False, verify_latency_ms__isnull=False)
                        .values_list("verify_latency_ms", flat=True))
-    # one checkpoint's greedy score swings by several points from step to step: average the last three
-    reward = statistics.fmean(heldout_reward(run, domain, v) for v in range(max(0, version - 2), version + 1))
+    # One checkpoint's greedy score swings by several points from step to step: average the versions saved
+    # in the window's last ``--heldout-seconds`` (at least the last three), the same stretch of wall time
+    # for both modes.
+    recent = set(PolicyVersion.objects.filter(run=run, number__gt=0, number__lte=version,
+                                              created_at__gt=t1 - timedelta(seconds=args.heldout_seconds))
+                 .values_list("number", flat=True)) | set(range(max(1, version - 2), version + 1))
+    reward = statistics.fmean(heldout_reward(run, domain, v) for v in sorted(recent))
     # let the cancelled run's last in-flight task finish before the next mode starts
     deadline = time.monotonic() + 60
     while PromptGroup.objects.filter(run=run, status__in=["generating", "training"]).exists():
@@ -350,6 +356,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpu-tasks", type=int, default=2,
                         help="tasks the GPU worker runs at once (one on the device, one at its bookkeeping)")
     parser.add_argument("--reward-tolerance", type=float, default=0.02)
+    parser.add_argument("--heldout-seconds", type=float, default=10.0,
+                        help="average held-out reward over the versions saved in the window's last N seconds")
     parser.add_argument("--progress", action="store_true")
     parser.add_argument("--worker-log-level", default="WARNING", help="INFO logs every task to var/bench-pipeline/*.log")
     args = parser.parse_args(argv)
