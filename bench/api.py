@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import base64
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -30,6 +29,7 @@ from django.db import connection, transaction  # noqa: E402
 from rest_framework.test import APIClient  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+from bench import timed  # noqa: E402
 from webapp.catalog.models import BaseModel, TaskDomain  # noqa: E402
 from webapp.runs.models import Run, Trajectory  # noqa: E402
 
@@ -71,16 +71,6 @@ def insert_rows(run: Run, domain: TaskDomain, rows: int) -> None:
             bar.update(n)
         if connection.vendor == "postgresql":
             cur.execute(f"ANALYZE {table}")
-
-
-def timed(fn, repeats: int) -> float:
-    fn()  # warm
-    samples = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples) * 1000
 
 
 def main() -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -30,6 +29,7 @@ from django.test import Client  # noqa: E402
 from django.utils import timezone  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+from bench import timed  # noqa: E402
 from webapp.catalog.models import BaseModel  # noqa: E402
 from webapp.runs.models import MetricPoint, Run  # noqa: E402
 from webapp.ui.views import _run_summary  # noqa: E402
@@ -37,16 +37,6 @@ from webapp.ui.views import _run_summary  # noqa: E402
 
 class Rollback(Exception):
     pass
-
-
-def timed(fn, repeats: int) -> float:
-    fn()
-    samples = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples) * 1000
 
 
 def main() -> None:

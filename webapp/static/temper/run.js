@@ -96,8 +96,7 @@
   }
 
   function onMessage(msg) {
-    if (msg.event) addEvent(msg.event);
-    if (msg.type === "event" && msg.kind) addEvent(msg);
+    if (msg.event) addEvent(msg.event);  // {"type": "event", "event": {...}} (workers/telemetry.py)
     if (msg.type === "run" && msg.status) showRun(Object.assign({}, lastRun, msg));
   }
 
