@@ -131,12 +131,15 @@ def prepare_epilogue(epilogue: str | Sequence[str]) -> tuple[list[EpilogueStatem
 
 @functools.lru_cache(maxsize=512)
 def _prepare_chunk(chunk: str, first_line: int) -> tuple[tuple[EpilogueStatement, ...], bytes]:
-    tree = ast.parse(chunk, "<epilogue>", "exec")
+    # Parsed behind first_line - 1 empty lines: the nodes get their final line numbers from the parser
+    # (ast.increment_lineno afterwards walked every node: a third of the cost of a new test file).
+    pad = first_line - 1
+    tree = ast.parse("\n" * pad + chunk, "<epilogue>", "exec")
     # ast.get_source_segment re-splits the whole source for every node (quadratic, and it showed up as
     # half the cost of judging a long test file): split once, slice by the nodes' byte offsets.
     # Lines as the tokenizer counts them: split at \n only (str.splitlines also splits at \x0c, \x85,
     # \u2028, ... which may stand inside a string literal).
-    lines = [line.encode() for line in chunk.split("\n")]
+    lines = [b""] * pad + [line.encode() for line in chunk.split("\n")]
     statements = []
     for node in tree.body:
         end_line, end_col = node.end_lineno, node.end_col_offset
@@ -148,9 +151,7 @@ def _prepare_chunk(chunk: str, first_line: int) -> tuple[tuple[EpilogueStatement
             first = lines[node.lineno - 1][node.col_offset:]
             middle = lines[node.lineno:end_line - 1]
             source = b"\n".join([first, *middle, lines[end_line - 1][:end_col]]).decode()
-        statements.append(EpilogueStatement(node.lineno + first_line - 1, source))
-    if first_line > 1:
-        ast.increment_lineno(tree, first_line - 1)
+        statements.append(EpilogueStatement(node.lineno, source))
     codes = tuple(compile(ast.Module(body=[node], type_ignores=[]), "<epilogue>", "exec") for node in tree.body)
     return tuple(statements), marshal.dumps(codes)
 

@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import textwrap
+import time
 
 import pytest
 
@@ -261,6 +262,84 @@ def test_connecting_to_an_outside_address(pool: SandboxPool) -> None:
     """))
     assert result.stdout.startswith(b"ENETUNREACH"), result.stdout
     assert float(result.stdout.split()[-1]) < 1.0
+
+
+def test_bringing_loopback_up_is_refused(pool: SandboxPool) -> None:
+    # Network namespaces are reused between executions (see Zygote._new_netns): that is safe only as long
+    # as the sandbox cannot change its namespace. SIOCSIFFLAGS on lo needs CAP_NET_ADMIN there.
+    result = pool.run(spec("""
+        import errno, fcntl, socket, struct
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        ifreq = struct.pack("16sH14x", b"lo", 0x1 | 0x8)  # IFF_UP | IFF_LOOPBACK
+        try:
+            fcntl.ioctl(s.fileno(), 0x8914, ifreq)  # SIOCSIFFLAGS
+            print("UP")
+        except OSError as exc:
+            print(errno.errorcode.get(exc.errno, exc.errno))
+        print(open("/proc/net/dev").read().count(":"), "interfaces")
+    """))
+    assert result.status == "ok", result
+    assert result.stdout.splitlines()[0] == b"EPERM", result.stdout
+    assert result.stdout.splitlines()[1] == b"1 interfaces", result.stdout  # lo only
+
+
+def test_nothing_network_carries_over_to_the_next_execution(pool: SandboxPool) -> None:
+    """A listener (an abstract unix socket) kept by a detached child must be gone for every later
+    execution, whichever reused network namespace it gets."""
+    planted = pool.run(spec("""
+        import os, socket, time
+        u = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        u.bind(b"\\0temper-leak")
+        u.listen(1)
+        if os.fork() == 0:
+            os.setsid()
+            time.sleep(60)
+        print(open("/proc/net/unix").read().count("temper-leak"))
+    """))
+    assert planted.status == "ok" and planted.stdout.strip() == b"1", planted
+    for _ in range(6):  # more than the pool's standbys and spare namespaces: every namespace comes round
+        result = pool.run(spec("""
+            import socket
+            c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                c.connect(b"\\0temper-leak")
+                print("CONNECTED")
+            except OSError as exc:
+                print("refused", exc.errno)
+            print(open("/proc/net/unix").read().count("temper-leak"))
+        """))
+        assert result.status == "ok", result
+        assert result.stdout.split() == [b"refused", b"111", b"0"], result.stdout  # ECONNREFUSED
+
+
+def test_live_sandboxes_never_share_a_network_namespace(pool: SandboxPool) -> None:
+    """Every sandbox process alive at once (the standbys waiting, across zygotes) is in a network namespace
+    of its own, and none is in the host's."""
+    if pool.tier == "rlimits-only":
+        pytest.skip("no namespaces in this tier")
+    pool.run(spec("pass"))  # make sure every zygote has its standbys out
+    host = os.readlink("/proc/self/ns/net")
+    deadline = time.monotonic() + 10
+    while True:
+        standbys = [pid for z in pool.zygote_pids for pid in _children(z)]
+        spaces = [_netns(pid) for pid in standbys]
+        if len(standbys) >= 2 * len(pool.zygote_pids) and host not in spaces and None not in spaces:
+            break  # each standby has entered its namespace
+        assert time.monotonic() < deadline, (standbys, spaces)
+        time.sleep(0.02)
+    assert len(set(spaces)) == len(spaces), spaces
+
+
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(c) for c in f.read().split()]
+
+
+def _netns(pid: int) -> str | None:
+    try:
+        return os.readlink(f"/proc/{pid}/ns/net")
+    except OSError:
+        return None
 
 
 def test_killing_the_parent(pool: SandboxPool) -> None:
