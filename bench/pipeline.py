@@ -29,6 +29,12 @@ The last line is ``result: key=value ...``; ``pass=true`` when async reaches >= 
 trajectories/s, a GPU-busy fraction >= 0.9, and a held-out reward no worse than sync's (within
 ``--reward-tolerance``). The CPU rows show what each process used, and ``others`` what the rest of the
 machine did meanwhile: on a shared 2-core machine that load slows the "GPU" (a CPU core) directly.
+
+The database matters to the GPU-busy fraction: between two device stretches the GPU worker records a step
+and claims the next batch, transactions that on SQLite queue behind the verify workers' writes on its one
+write lock. Measure the deployment's database (docker-compose runs PostgreSQL):
+
+    DATABASE_URL=postgres://postgres@127.0.0.1:5432/temper_bench .venv/bin/python bench/pipeline.py
 """
 
 from __future__ import annotations
@@ -332,6 +338,25 @@ def gpu_heartbeat() -> Any:
     return WorkerHeartbeat.objects.get(name__startswith="bench-gpu@")
 
 
+def ensure_postgres_database(url: str) -> None:
+    """Create the PostgreSQL database ``url`` names if it does not exist yet (the bench's own, e.g. temper_bench)."""
+    if not url.startswith(("postgres://", "postgresql://")):
+        return
+    import psycopg
+    from psycopg import sql
+
+    base, _, name = url.rpartition("/")
+    name = name.split("?", 1)[0]
+    try:
+        psycopg.connect(url).close()
+    except psycopg.OperationalError as exc:
+        if "does not exist" not in str(exc):
+            raise
+        with psycopg.connect(f"{base}/postgres", autocommit=True) as admin:
+            admin.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+        print(f"created the PostgreSQL database {name!r}", file=sys.stderr)
+
+
 def machine_cpu() -> float:
     """CPU seconds the whole machine has spent busy since boot (all cores, from /proc/stat)."""
     fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
@@ -366,6 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True)
     os.environ.setdefault("DATABASE_URL", f"sqlite:///{workdir / 'bench.sqlite3'}")
+    ensure_postgres_database(os.environ["DATABASE_URL"])
     os.environ["ARTIFACTS_ROOT"] = str(workdir / "artifacts")
     procs = Processes(workdir)
     if "REDIS_URL" not in os.environ:
@@ -396,11 +422,14 @@ def main(argv: list[str] | None = None) -> int:
         judge.stop()
 
     delays = sorted(judge.delays)
+    from django.db import connection
+
+    db = connection.vendor  # "sqlite" or "postgresql": the GPU worker's bookkeeping waits on it (see the docs)
     print(f"\nworkload: demo model, torch engine, addition domain, B={args.batch} G={args.group}, "
           f"async max_staleness={args.staleness}; judge latency median {args.judge_median_ms:.0f} ms, "
           f"sigma {args.judge_sigma}, measured p50/p95/p99/max "
           + "/".join(f"{delays[min(len(delays) - 1, int(len(delays) * q))] * 1000:.0f}" for q in (0.5, 0.95, 0.99, 1.0))
-          + f" ms over {len(delays)} requests; verify concurrency {args.verify_concurrency}\n")
+          + f" ms over {len(delays)} requests; verify concurrency {args.verify_concurrency}; database {db}\n")
     rows = [("trajectories/s", "traj_s", "{:.1f}"), ("GPU-busy fraction", "gpu_busy", "{:.3f}"),
             ("held-out reward", "heldout", "{:.3f}"), ("train steps in window", "steps", "{:.0f}"),
             ("window (s)", "seconds", "{:.1f}"), ("verify p50 (ms/sample)", "verify_p50_ms", "{:.0f}"),
@@ -420,9 +449,9 @@ def main(argv: list[str] | None = None) -> int:
         out["speedup"] = a["traj_s"] / max(s["traj_s"], 1e-9)
         out["heldout_delta"] = a["heldout"] - s["heldout"]
         ok = out["speedup"] >= 1.5 and a["gpu_busy"] >= 0.9 and out["heldout_delta"] >= -args.reward_tolerance
-        print("\nresult: " + " ".join(f"{k}={v:.3f}" for k, v in out.items()) + f" pass={str(ok).lower()}")
+        print("\nresult: " + " ".join(f"{k}={v:.3f}" for k, v in out.items()) + f" db={db} pass={str(ok).lower()}")
     else:
-        print("\nresult: " + " ".join(f"{k}={v:.3f}" for k, v in out.items()))
+        print("\nresult: " + " ".join(f"{k}={v:.3f}" for k, v in out.items()) + f" db={db}")
     return 0
 
 

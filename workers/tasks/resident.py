@@ -19,15 +19,13 @@ from workers.telemetry import Timer, busy
 _ENGINES: dict[tuple[str, str], Any] = {}
 _TRAINERS: dict[int, Any] = {}
 _DEVICE = threading.Lock()
-_STEPS: dict[int, threading.Event] = {}  # run id -> set once that run's train step here has saved its version
-_SAVED: dict[int, int] = {}  # run id -> the version that step saved, until the database records it
+_STEPS: dict[int, threading.Event] = {}  # run id -> set when that run's train step here is recorded
 _STEPS_LOCK = threading.Lock()
 
 
 @contextmanager
 def training(run_id: int) -> Iterator[None]:
-    """A train step of the run is under way in this process until its version is saved (``version_saved``)
-    or the step ends."""
+    """A train step of the run is under way in this process until its version is recorded."""
     done = threading.Event()
     with _STEPS_LOCK:
         _STEPS[run_id] = done
@@ -37,35 +35,16 @@ def training(run_id: int) -> Iterator[None]:
         with _STEPS_LOCK:
             if _STEPS.get(run_id) is done:
                 del _STEPS[run_id]
-            # recorded (the database has it now) or failed (it never will): either way not ours to hand out
-            _SAVED.pop(run_id, None)
         done.set()
 
 
-def version_saved(run_id: int, number: int) -> None:
-    """The train step under way has saved version ``number`` and left the device: rollout tasks waiting in
-    ``after_training`` may go on under it now rather than after the step's database bookkeeping (the device
-    would idle for it). Should the recording then fail, that version is never used again here; samples
-    already generated under it keep its number and their own behaviour log-probs, which is what the
-    importance weights use."""
-    with _STEPS_LOCK:
-        _SAVED[run_id] = number
-        done = _STEPS.get(run_id)
-    if done is not None:
-        done.set()
-
-
-def after_training(run_id: int, timeout: float = 120.0) -> int | None:
-    """Wait for the run's train step under way in this process, if any, to save its version: prompts
-    admitted while it trained (async mode admits ahead) are meant for the version it produces. Returns that
-    version while the database has not recorded it yet (else None: the database's latest is current).
-    Read before the database: once this returns None, the step's transaction has committed."""
+def after_training(run_id: int, timeout: float = 120.0) -> None:
+    """Wait for the run's train step under way in this process, if any: prompts admitted while it trained
+    (async mode admits ahead) are meant for the version it produces."""
     with _STEPS_LOCK:
         done = _STEPS.get(run_id)
     if done is not None:
         done.wait(timeout)
-    with _STEPS_LOCK:
-        return _SAVED.get(run_id)
 
 
 @contextmanager

@@ -45,11 +45,8 @@ def generate(run_id: int, group_ids: list[int]) -> int:
     group_size = spec.pipeline.group_size
     resident.after_training(run_id)
     with resident.device(run_id) as timer:  # switching to the newest version is device work too
-        # the newest version now that this task holds the device (a train step here may just have saved
-        # one that its transaction has not recorded yet: that one)
-        saved = resident.after_training(run_id, timeout=0)
+        # the newest version now that this task holds the device (a train step may just have finished)
         latest = Run.objects.filter(pk=run_id).values_list("latest_version", flat=True).get()
-        latest = max(latest, saved or 0)
         engine = resident.engine_for(run.engine, pipeline.resolve_model_path(run.base_model), seed=spec.seed)
         if engine.version != latest:
             engine.set_version(pipeline.version_dir(run.pk, latest))

@@ -101,7 +101,6 @@ def _train_step(run_id: int, step: int) -> int | None:
                                        pipeline.version_dir(run_id, run.latest_version), run.latest_version, run.step)
         metrics = trainer.train_step(batch)
         trainer.save_version(out, spec_hash=spec_hash)
-    resident.version_saved(run_id, run.latest_version + 1)  # a waiting rollout task may take the device now
     facts = {
         **metrics.as_dict(), "train_seconds": timer.seconds, "train_task_seconds": time.monotonic() - task_started,
         "train_queue_wait_s": max(0.0, wall_started - float(claimed_at)) if claimed_at else None,
