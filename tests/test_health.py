@@ -7,7 +7,9 @@ import asyncio
 import os
 import signal
 import time
+from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 import pytest
 from asgiref.sync import async_to_sync
@@ -139,18 +141,24 @@ def test_a_stalled_stage_and_a_missing_worker(user):
     assert event.level == "warning" and event.data["stage"] == "verify" and "verification stalled" in event.message
 
 
-@pytest.mark.django_db(transaction=True)
-def test_alerts_are_broadcast_to_the_run_page(user, redis_url):
+def listen_to(run: Run) -> Callable[[], dict[str, Any]]:
+    """Join the run page's channel-layer group; the returned function waits (5 s at most) for the next payload."""
     from channels.layers import get_channel_layer
 
-    run = running_run(user)
     layer = get_channel_layer()
     channel = async_to_sync(layer.new_channel)()
     async_to_sync(layer.group_add)(f"run.{run.pk}", channel)
+    return lambda: async_to_sync(asyncio.wait_for)(layer.receive(channel), 5)["payload"]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_alerts_are_broadcast_to_the_run_page(user, redis_url):
+    run = running_run(user)
+    receive = listen_to(run)
     check_run_health(run.pk)  # no worker at all: one alert per queue
     seen = set()
     for _ in range(4):
-        payload = async_to_sync(asyncio.wait_for)(layer.receive(channel), 5)["payload"]
+        payload = receive()
         assert payload["type"] == "event" and payload["event"]["kind"] == "alert.no_worker"
         seen.add(payload["event"]["data"]["queue"])
     assert seen == {"control", "rollout", "train", "verify"}
@@ -195,16 +203,12 @@ def test_a_silent_worker_is_flagged_on_the_run(start_worker, user, api, monkeypa
 
 @pytest.mark.django_db(transaction=True)
 def test_status_changes_are_broadcast_as_run_and_event_messages(user, redis_url):
-    from channels.layers import get_channel_layer
-
     from webapp.runs.services import do_pause_run
 
     run = running_run(user)
-    layer = get_channel_layer()
-    channel = async_to_sync(layer.new_channel)()
-    async_to_sync(layer.group_add)(f"run.{run.pk}", channel)
+    receive = listen_to(run)
     do_pause_run(run, reason="for the test")
-    messages = [async_to_sync(asyncio.wait_for)(layer.receive(channel), 5)["payload"] for _ in range(2)]
+    messages = [receive() for _ in range(2)]
     by_type = {m["type"]: m for m in messages}
     assert by_type["event"]["event"]["kind"] == "status.pausing"
     assert by_type["run"] == {"type": "run", "status": "pausing", "status_reason": "for the test", "step": 0,
