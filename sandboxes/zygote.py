@@ -336,7 +336,6 @@ class Zygote:
             if self.namespaces:
                 netns = self.spare_netns.pop() if self.spare_netns else self._new_netns()
                 self.lent_netns[self.counter] = netns
-            if self.namespaces:
                 _linux.unshare(_linux.CLONE_NEWPID)  # applies to our next child only
             try:
                 pid = _linux.fork_without_handlers() if self.single_threaded else os.fork()
