@@ -138,7 +138,7 @@ def test_case_round_trip_and_validation() -> None:
         ("exact_match", {}, "72"),
         ("regex", {"pattern": r"\d+", "extract": "marker"}, None),
         ("f1", {}, {"answers": ["Denver Broncos"]}),
-        ("json_match", {"mode": "subset"}, {"a": 1}),
+        ("json_match", {"mode": "subset"}, {"expected": {"a": 1}}),
         ("math", {}, "72"),
     ],
 )

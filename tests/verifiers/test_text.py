@@ -94,10 +94,12 @@ def test_regex_full_and_search() -> None:
 
 
 def test_regex_pattern_from_reference() -> None:
-    assert judge("regex", {}, "2024-01-31", r"\d{4}-\d{2}-\d{2}")[0] == "pass"
-    status, _, reason = judge("regex", {}, "x", "(unclosed")
+    assert judge("regex", {}, "2024-01-31", {"pattern": r"\d{4}-\d{2}-\d{2}"})[0] == "pass"
+    status, _, reason = judge("regex", {}, "x", {"pattern": "(unclosed"})
     assert status == "invalid" and "does not compile" in (reason or "")
     assert judge("regex", {}, "x", {"not": "a pattern"})[0] == "invalid"
+    status, _, reason = judge("regex", {}, "x", {"answer": "x"})  # an answer is not a pattern
+    assert status == "invalid" and "no pattern" in (reason or "")
 
 
 def test_regex_catastrophic_backtracking_never_hangs() -> None:

@@ -1,8 +1,12 @@
 from __future__ import annotations
 
+from typing import Any
+
+from django import forms
 from django.contrib import admin
 
 from webapp.catalog.models import BaseModel, CalibrationCase, CalibrationReport, Task, TaskDomain, Verifier
+from webapp.catalog.services import check_domain
 
 
 @admin.register(BaseModel)
@@ -59,8 +63,24 @@ class CalibrationReportAdmin(admin.ModelAdmin):
     readonly_fields = ["verifier", "status", "passed", "summary", "error", "finished_at"]
 
 
+class TaskDomainAdminForm(forms.ModelForm):
+    class Meta:
+        model = TaskDomain
+        fields = "__all__"
+
+    def clean(self) -> dict[str, Any]:
+        data = super().clean() or {}
+        for name, messages in check_domain(kind=data.get("kind", self.instance.kind), verifier=data.get("verifier"),
+                                           prompt_template=data.get("prompt_template", ""),
+                                           domain=self.instance if self.instance.pk else None).items():
+            for message in messages:
+                self.add_error(name if name in self.fields else None, message)
+        return data
+
+
 @admin.register(TaskDomain)
 class TaskDomainAdmin(admin.ModelAdmin):
+    form = TaskDomainAdminForm
     list_display = ["name", "kind", "verifier", "task_count", "heldout_count", "owner", "updated_at"]
     list_filter = ["kind"]
     list_select_related = ["verifier", "owner"]

@@ -19,7 +19,13 @@ from rest_framework.response import Response
 
 from webapp.api import OwnedViewSet, router
 from webapp.catalog.models import BaseModel, CalibrationCase, CalibrationReport, Task, TaskDomain, Verifier
-from webapp.catalog.services import ImportFailed, do_import_tasks, do_request_calibration
+from webapp.catalog.services import (
+    ImportFailed,
+    check_domain,
+    check_verifier,
+    do_import_tasks,
+    do_request_calibration,
+)
 from webapp.common.errors import ValidationFailed
 
 
@@ -126,6 +132,9 @@ class VerifierSerializer(OwnedSerializer):
         config = attrs.get("config", getattr(self.instance, "config", {}))
         if kind:
             check_verifier_config(kind, config or {})
+            problems = check_verifier(kind, attrs.get("calibration_cases"), self.instance)
+            if problems:
+                raise serializers.ValidationError(problems)
         return attrs
 
     def create(self, validated_data: dict[str, Any]) -> Verifier:
@@ -155,8 +164,9 @@ class TaskDomainSerializer(OwnedSerializer):
 
     class Meta:
         model = TaskDomain
-        fields = ["id", "name", "kind", "description", "verifier", "sandbox_limits", "sampling_defaults",
-                  "heldout_fraction", "task_count", "heldout_count", "created_at", "updated_at"]
+        fields = ["id", "name", "kind", "description", "verifier", "prompt_template", "system_prompt",
+                  "sandbox_limits", "sampling_defaults", "heldout_fraction", "task_count", "heldout_count",
+                  "created_at", "updated_at"]
         read_only_fields = ["task_count", "heldout_count"]
 
     def get_fields(self) -> dict[str, Any]:
@@ -170,6 +180,18 @@ class TaskDomainSerializer(OwnedSerializer):
         if not 0.0 <= value < 1.0:
             raise serializers.ValidationError("must be in [0, 1)")
         return value
+
+    def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        """A verifier that cannot judge the kind is refused here, when it is attached, not at judging time."""
+        current = self.instance
+        problems = check_domain(
+            kind=attrs.get("kind", getattr(current, "kind", "answer")),
+            verifier=attrs["verifier"] if "verifier" in attrs else getattr(current, "verifier", None),
+            prompt_template=attrs.get("prompt_template", getattr(current, "prompt_template", "")),
+            domain=current)
+        if problems:
+            raise serializers.ValidationError(problems)
+        return attrs
 
 
 class TaskSerializer(serializers.ModelSerializer):
@@ -244,7 +266,8 @@ class VerifierViewSet(OwnedViewSet):
     )
     @action(detail=True, methods=["post"], url_path="dry-run")
     def dry_run(self, request: Request, pk: str | None = None) -> Response:
-        """Judge the given completions now: ``{"items": [{"prompt", "completion", "reference"}]}``."""
+        """Judge the given completions now: ``{"items": [{"prompt", "completion", "reference"}]}``, or
+        ``{"task": id, "completion"}`` to judge against a stored task (its reference, kind and rendered prompt)."""
         from workers.verifiers.base import build_verifier
         from workers.verifiers.batch import judge_rows
 
@@ -252,6 +275,20 @@ class VerifierViewSet(OwnedViewSet):
         items = request.data.get("items") if isinstance(request.data, dict) else None
         if not isinstance(items, list) or not items or len(items) > 100:
             raise ValidationFailed("send {\"items\": [...]} with 1 to 100 items", details={"items": ["required"]})
+        task_ids = {i["task"] for i in items if isinstance(i, dict) and isinstance(i.get("task"), int)}
+        tasks = {t.pk: t for t in Task.objects.filter(pk__in=task_ids, domain__in=TaskDomain.objects.visible_to(
+            request.user)).select_related("domain")}
+        problems = []
+        for n, item in enumerate(items, start=1):
+            if isinstance(item, dict) and "task" in item:
+                task = tasks.get(item["task"]) if isinstance(item["task"], int) else None
+                if task is None:
+                    problems.append(f"item {n}: no task {item['task']!r} of yours")
+                    continue
+                item.setdefault("prompt", task.model_prompt())
+                item.update(reference=task.reference, kind=task.domain.kind)
+        if problems:
+            raise ValidationFailed("; ".join(problems), details={"items": problems})
         judged = list(judge_rows(build_verifier(verifier.kind, verifier.config), items))
         return Response({"results": judged})
 

@@ -10,6 +10,8 @@ from typing import Any
 from django.db import models
 
 from webapp.common.models import OwnedModel, OwnedQuerySet, TimestampedModel
+from workers.domains.kinds import KINDS
+from workers.domains.prompts import render
 
 
 class BaseModel(OwnedModel):
@@ -125,14 +127,15 @@ class CalibrationReport(TimestampedModel):
 
 
 class DomainKind(models.TextChoices):
-    """What a task row of the domain looks like (validated on import)."""
+    """What a task row of the domain looks like: one definition per kind in ``workers.domains.kinds``
+    (these choices repeat its names for Django; a test holds them equal)."""
 
-    ANSWER = "answer", "prompt → short answer (exact match, math, regex)"
-    CODE = "code", "prompt → code checked by unit tests"
-    COMMAND = "command", "prompt → files checked by a test script"
-    DOCUMENT_QA = "document_qa", "document + question → answer (token F1)"
-    JSON = "json", "prompt → JSON document"
-    OPEN = "open", "prompt → free text (LLM judge)"
+    ANSWER = "answer", KINDS["answer"].label
+    CODE = "code", KINDS["code"].label
+    COMMAND = "command", KINDS["command"].label
+    DOCUMENT_QA = "document_qa", KINDS["document_qa"].label
+    JSON = "json", KINDS["json"].label
+    OPEN = "open", KINDS["open"].label
 
 
 class TaskDomain(OwnedModel):
@@ -146,6 +149,10 @@ class TaskDomain(OwnedModel):
     verifier = models.ForeignKey(
         Verifier, null=True, blank=True, on_delete=models.SET_NULL, related_name="domains"
     )
+    prompt_template = models.TextField(
+        blank=True, help_text="What the model sees: {prompt}, the kind's visible fields ({context}, {files}, …) and "
+                              "{metadata.<key>}. Empty: the kind's default")
+    system_prompt = models.TextField(blank=True, help_text="Put before every prompt of the domain")
     sandbox_limits = models.JSONField(default=dict, blank=True)
     sampling_defaults = models.JSONField(default=dict, blank=True)
     heldout_fraction = models.FloatField(
@@ -161,6 +168,11 @@ class TaskDomain(OwnedModel):
 
     def __str__(self) -> str:
         return self.name
+
+    def render_prompt(self, prompt: str, reference: Any, metadata: dict[str, Any] | None = None) -> str:
+        """The text the model is given for one of this domain's tasks (``workers.domains.prompts``)."""
+        return render(self.kind, self.prompt_template, self.system_prompt, prompt=prompt, reference=reference,
+                      metadata=metadata)
 
 
 class Task(models.Model):
@@ -190,3 +202,7 @@ class Task(models.Model):
 
     def __str__(self) -> str:
         return f"{self.domain_id}:{self.external_id or self.pk}"
+
+    def model_prompt(self) -> str:
+        """This task's prompt as its domain shows it to the model."""
+        return self.domain.render_prompt(self.prompt, self.reference, self.metadata)

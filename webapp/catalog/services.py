@@ -9,16 +9,57 @@ from django.contrib.auth.models import AbstractBaseUser, AnonymousUser
 from django.db import transaction
 from django.utils import timezone
 
-from webapp.catalog.models import CalibrationReport, CalibrationStatus, Verifier
+from webapp.catalog.models import CalibrationReport, CalibrationStatus, TaskDomain, Verifier
 from webapp.catalog.task_import import ImportFailed, ImportResult, import_tasks
 from webapp.common.errors import InvalidTransition
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ImportFailed", "ImportResult", "do_import_tasks", "do_record_calibration", "do_request_calibration",
-           "do_run_calibration"]
+__all__ = ["ImportFailed", "ImportResult", "check_domain", "do_import_tasks", "do_record_calibration",
+           "do_request_calibration", "do_run_calibration"]
 
 do_import_tasks = import_tasks
+
+
+def check_domain(*, kind: str, verifier: Verifier | None, prompt_template: str = "",
+                 domain: TaskDomain | None = None) -> dict[str, list[str]]:
+    """Problems of a domain's settings, by field (empty when it is fine). The API, the pages and the admin
+    all ask this one function: a verifier that cannot judge the kind, a template naming a field the kind
+    does not show, a kind changed under tasks already stored in the old kind's shape."""
+    from workers.domains.kinds import attach_problem
+    from workers.domains.prompts import check_template
+
+    problems: dict[str, list[str]] = {}
+    if verifier is not None and (why := attach_problem(verifier.kind, kind)):
+        problems["verifier"] = [f"{verifier.name!r}: {why}"]
+    if template_problems := check_template(kind, prompt_template):
+        problems["prompt_template"] = template_problems
+    if domain is not None and domain.pk and kind != domain.kind and domain.tasks.exists():
+        problems["kind"] = [f"the domain already holds {domain.task_count} {domain.kind} task(s); a kind cannot "
+                            "change under them: create a new domain"]
+    return problems
+
+
+def check_verifier(kind: str, cases: list[dict[str, Any]] | None, verifier: Verifier | None = None) -> dict[str, list[str]]:
+    """Problems of a verifier's kind and calibration cases, by field: a case whose reference is not in the
+    shape the kind's domains store (it would calibrate against references no task has), a kind changed
+    under domains it cannot judge."""
+    from workers.domains.kinds import ShapeError, attach_problem, domain_kinds_for, parse_reference
+
+    problems: dict[str, list[str]] = {}
+    kinds = domain_kinds_for(kind)
+    for i, case in enumerate(cases or []):
+        try:
+            parse_reference(case.get("reference"), kinds)
+        except ShapeError as exc:
+            problems.setdefault("calibration_cases", []).append(
+                f"case {i + 1}: reference {str(exc)[:300]} (a {kind} verifier judges {', '.join(kinds)} tasks; "
+                "write the reference as such a task stores it)")
+    if verifier is not None and verifier.pk and kind != verifier.kind:
+        for domain in verifier.domains.all()[:20]:
+            if why := attach_problem(kind, domain.kind):
+                problems.setdefault("kind", []).append(f"attached to domain {domain.name!r}: {why}")
+    return problems
 
 
 def do_request_calibration(verifier: Verifier, actor: AbstractBaseUser | AnonymousUser | None = None) -> CalibrationReport:

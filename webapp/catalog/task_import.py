@@ -1,5 +1,8 @@
 """Streaming, atomic import of tasks from JSONL, validated row by row against the domain's kind.
 
+A row's shape is defined once, in ``workers.domains.kinds``: the reference it stores there is what the
+domain's verifier reads back, through the same model.
+
 A file with any bad row imports nothing; the answer lists every bad row with its line number, field and
 reason. Good rows are written in batches inside one transaction while the file streams, so a 100,000-row
 file never sits in memory as model objects and a bad row near the end still rolls everything back.
@@ -11,99 +14,17 @@ import hashlib
 import json
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from django.db import transaction
 from django.db.models import F
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from webapp.catalog.models import DomainKind, Task, TaskDomain
+from webapp.catalog.models import Task, TaskDomain
 from webapp.common.errors import ValidationFailed
+from workers.domains.kinds import ParsedRow, ShapeError, parse_row
 
 BATCH_SIZE = 2000
 MAX_LISTED_ERRORS = 1000
-
-
-class _Row(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    id: str | int | None = Field(None, description="Your identifier for the task, unique in the domain")
-    prompt: str = Field(min_length=1)
-    split: Literal["train", "heldout"] | None = None
-    metadata: dict[str, Any] = Field(default_factory=dict)
-
-    def reference(self) -> dict[str, Any]:
-        raise NotImplementedError
-
-
-class AnswerRow(_Row):
-    answer: str | int | float
-
-    def reference(self) -> dict[str, Any]:
-        return {"answer": str(self.answer)}
-
-
-class CodeRow(_Row):
-    tests: str = Field(min_length=1, description="Assert-style Python test code run after the completion")
-    entry_point: str | None = None
-
-    @field_validator("tests")
-    @classmethod
-    def _compiles(cls, value: str) -> str:
-        try:
-            compile(value, "<tests>", "exec")
-        except SyntaxError as exc:
-            raise ValueError(f"tests do not compile: {exc.msg} (line {exc.lineno})") from None
-        return value
-
-    def reference(self) -> dict[str, Any]:
-        ref: dict[str, Any] = {"tests": self.tests}
-        if self.entry_point:
-            ref["entry_point"] = self.entry_point
-        return ref
-
-
-class CommandRow(_Row):
-    test_script: str = Field(min_length=1, description="Shell script whose exit code 0 means pass")
-    files: dict[str, str] = Field(default_factory=dict, description="Input files given to the completion")
-
-    def reference(self) -> dict[str, Any]:
-        return {"test_script": self.test_script, "files": self.files}
-
-
-class DocumentQARow(_Row):
-    context: str = ""
-    answers: list[str] = Field(min_length=1)
-
-    def reference(self) -> dict[str, Any]:
-        return {"answers": self.answers, "context": self.context}
-
-
-class JsonRow(_Row):
-    expected: Any = None
-    json_schema: dict[str, Any] | None = Field(None, alias="schema")
-
-    def reference(self) -> dict[str, Any]:
-        if self.expected is None and self.json_schema is None:
-            raise ValueError("needs 'expected' or 'schema'")
-        return {"expected": self.expected, "schema": self.json_schema}
-
-
-class OpenRow(_Row):
-    rubric: str = ""
-
-    def reference(self) -> dict[str, Any]:
-        return {"rubric": self.rubric}
-
-
-ROW_MODELS: dict[str, type[_Row]] = {
-    DomainKind.ANSWER: AnswerRow,
-    DomainKind.CODE: CodeRow,
-    DomainKind.COMMAND: CommandRow,
-    DomainKind.DOCUMENT_QA: DocumentQARow,
-    DomainKind.JSON: JsonRow,
-    DomainKind.OPEN: OpenRow,
-}
 
 
 @dataclass
@@ -164,23 +85,17 @@ def _is_heldout(key: str, fraction: float) -> bool:
     return int.from_bytes(digest, "big") / 2**64 < fraction
 
 
-def _parse(line_no: int, text: str, model: type[_Row]) -> tuple[_Row | None, dict[str, Any], list[RowError]]:
+def _parse(line_no: int, text: str, kind: str) -> tuple[ParsedRow | None, list[RowError]]:
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
-        return None, {}, [RowError(line_no, "(line)", f"not valid JSON: {exc.msg} at column {exc.colno}")]
+        return None, [RowError(line_no, "(line)", f"not valid JSON: {exc.msg} at column {exc.colno}")]
     if not isinstance(data, dict):
-        return None, {}, [RowError(line_no, "(line)", f"expected a JSON object, got {type(data).__name__}")]
+        return None, [RowError(line_no, "(line)", f"expected a JSON object, got {type(data).__name__}")]
     try:
-        row = model.model_validate(data)
-        reference = row.reference()
-    except ValidationError as exc:
-        return None, {}, [
-            RowError(line_no, ".".join(str(p) for p in err["loc"]) or "(row)", err["msg"]) for err in exc.errors()
-        ]
-    except ValueError as exc:
-        return None, {}, [RowError(line_no, "(row)", str(exc))]
-    return row, reference, []
+        return parse_row(kind, data), []
+    except ShapeError as exc:
+        return None, [RowError(line_no, f or "(row)", r) for f, r in exc.problems]
 
 
 def import_tasks(
@@ -194,7 +109,6 @@ def import_tasks(
     Raises ``ImportFailed`` listing each bad row (line number, field, reason) when any row is bad.
     ``progress`` is called with the number of lines read so far, every batch.
     """
-    model = ROW_MODELS[domain.kind]
     result = ImportResult()
     existing_ids = set(
         domain.tasks.exclude(external_id__isnull=True).values_list("external_id", flat=True).iterator()
@@ -221,7 +135,7 @@ def import_tasks(
             if not text.strip():
                 continue
             result.rows += 1
-            row, reference, errors = _parse(line_no, text, model)
+            row, errors = _parse(line_no, text, domain.kind)
             for err in errors:
                 error(err)
             if row is None:
@@ -243,7 +157,7 @@ def import_tasks(
             result.heldout += split == Task.Split.HELDOUT
             batch.append(
                 Task(
-                    domain=domain, external_id=external_id, prompt=row.prompt, reference=reference,
+                    domain=domain, external_id=external_id, prompt=row.prompt, reference=row.reference.stored(),
                     metadata=row.metadata, split=split,
                 )
             )

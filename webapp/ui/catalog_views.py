@@ -12,16 +12,13 @@ from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_POST
 
 from webapp.catalog import services as catalog_services
-from webapp.catalog.models import BaseModel, CalibrationCase, CalibrationStatus, TaskDomain, Verifier
-from webapp.catalog.task_import import ROW_MODELS, ImportFailed
+from webapp.catalog.models import BaseModel, CalibrationCase, CalibrationStatus, Task, TaskDomain, Verifier
+from webapp.catalog.task_import import ImportFailed
 from webapp.common.errors import TemperError
 from webapp.runs.models import Run
 from webapp.ui.forms import DomainForm, UploadForm, VerifierForm
-
-EXAMPLE_ROWS = {
-    "answer": '{"id": "add-1", "prompt": "2+3=", "answer": "5"}',
-    "code": '{"id": "sq", "prompt": "def square(x):", "tests": "assert square(3) == 9"}',
-}
+from workers.domains.kinds import KINDS, ShapeError, row_fields
+from workers.domains.prompts import allowed_fields
 
 
 def _owner(request: HttpRequest) -> Any:
@@ -43,6 +40,7 @@ def domain_new(request: HttpRequest) -> HttpResponse:
             domain = TaskDomain.objects.create(
                 owner=_owner(request), name=data["name"], kind=data["kind"], description=data["description"],
                 verifier=data["verifier"], heldout_fraction=data["heldout_fraction"],
+                prompt_template=data["prompt_template"], system_prompt=data["system_prompt"],
             )
         except IntegrityError:
             form.add_error("name", "a domain with this name already exists")
@@ -53,11 +51,21 @@ def domain_new(request: HttpRequest) -> HttpResponse:
 
 
 def domain_detail(request: HttpRequest, domain_id: int) -> HttpResponse:
-    """A domain, its newest tasks, and a JSONL upload that lists every bad row when it refuses a file."""
+    """A domain: its settings (editable), what the model sees (a preview of the prompt template on real
+    tasks), its newest tasks, and a JSONL upload that lists every bad row when it refuses a file."""
     domain = get_object_or_404(TaskDomain.objects.visible_to(request.user).select_related("verifier"), pk=domain_id)
-    upload = UploadForm(request.POST or None, request.FILES or None)
+    editing = request.method == "POST" and "settings" in request.POST  # else a POST is an upload
+    upload = UploadForm(request.POST or None, request.FILES or None) if not editing else UploadForm()
+    settings_form = DomainForm(request.POST if editing else None, user=request.user, instance=domain)
     import_errors: dict[str, Any] | None = None
-    if request.method == "POST" and upload.is_valid():
+    if editing and settings_form.is_valid():
+        data = settings_form.cleaned_data
+        for name, value in data.items():
+            setattr(domain, name, value)
+        domain.save(update_fields=[*data, "updated_at"])
+        messages.success(request, "Domain settings saved.")
+        return redirect("domain", domain_id=domain.pk)
+    if request.method == "POST" and not editing and upload.is_valid():
         try:
             result = catalog_services.do_import_tasks(domain, upload.cleaned_data["file"])
         except ImportFailed as exc:
@@ -65,20 +73,45 @@ def domain_detail(request: HttpRequest, domain_id: int) -> HttpResponse:
         else:
             messages.success(request, f"Imported {result.imported} tasks ({result.heldout} held out).")
             return redirect("domain", domain_id=domain.pk)
-    fields = sorted(ROW_MODELS[domain.kind].model_fields)
+    spec = KINDS[domain.kind]
+    tasks = list(domain.tasks.order_by("-id")[:20])
+    previews = []
+    shown: list[Task | None] = [*tasks[:3]] or [None]
+    for task in shown:
+        if task is None:  # no tasks yet: preview the kind's example row
+            row = spec.examples[0]
+            rest = {k: v for k, v in row.items() if k not in ("id", "prompt", "split", "metadata")}
+            try:
+                reference = spec.reference.model_validate(rest).stored()
+            except (ShapeError, ValueError):
+                reference = {}
+            previews.append({"source": "example row", "text": domain.render_prompt(row["prompt"], reference)})
+        else:
+            task.domain = domain
+            previews.append({"source": f"task {task.external_id or task.pk}", "text": task.model_prompt()})
     return render(request, "ui/domain.html", {
-        "domain": domain, "upload": upload, "import_errors": import_errors,
-        "tasks": domain.tasks.order_by("-id")[:20], "row_fields": fields,
-        "example": EXAMPLE_ROWS.get(domain.kind, ""), "example_files": ("addition", "multiplication")
-        if domain.kind == "answer" else (),
+        "domain": domain, "upload": upload, "import_errors": import_errors, "settings_form": settings_form,
+        "tasks": tasks, "row_fields": row_fields(domain.kind).split(", "),
+        "example": json.dumps(spec.examples[0]) if spec.examples else "",
+        "example_files": ("addition", "multiplication") if domain.kind == "answer" else (),
+        "kind_example_file": f"examples/{domain.kind}.jsonl",
+        "template_fields": [*allowed_fields(domain.kind), "metadata.<key>"],
+        "default_template": spec.default_template, "previews": previews,
+        "verifier_kinds": spec.verifiers,
         "runs": Run.objects.visible_to(request.user).filter(domains=domain).order_by("-id")[:20],
     })
 
 
 def example_tasks(request: HttpRequest, name: str) -> HttpResponse:
-    """The demo domains' tasks as JSONL (train and held-out rows, split marked), for a first upload."""
+    """The demo domains' tasks as JSONL (train and held-out rows, split marked), or a kind's example rows,
+    for a first upload."""
+    from workers.domains.kinds import example_jsonl
     from workers.policy.demo_tasks import DOMAINS, _split_pool
 
+    if name in KINDS:  # a kind's example rows (the same text as assets/examples/<kind>.jsonl)
+        response = HttpResponse(example_jsonl(name), content_type="application/x-ndjson")
+        response["Content-Disposition"] = f'attachment; filename="{name}.jsonl"'
+        return response
     if name not in DOMAINS:
         raise Http404(f"no example domain {name!r}; there are {', '.join(DOMAINS)}")
     rows = [json.dumps({"id": f"{name[:3]}-{split}-{i}", "prompt": p, "answer": a, "split": split})

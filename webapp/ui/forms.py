@@ -132,26 +132,51 @@ class RunForm(forms.Form):
 
 
 class DomainForm(forms.Form):
+    """Create a domain, or (``instance=``) change its settings; checked by ``catalog.services.check_domain``."""
+
     name = forms.CharField(max_length=200)
     kind = forms.ChoiceField(choices=DomainKind.choices, help_text="decides the shape of a task row")
     description = forms.CharField(widget=forms.Textarea(attrs={"rows": 2}), required=False)
     verifier = VerifierChoiceField(queryset=Verifier.objects.none(), required=False,
-                                      help_text="judges this domain's completions")
+                                      help_text="judges this domain's completions; it must judge this kind")
+    prompt_template = forms.CharField(
+        widget=forms.Textarea(attrs={"rows": 3, "class": "mono"}), required=False,
+        help_text="what the model sees: {prompt}, the kind's visible fields ({context}, {files}, …) and "
+                  "{metadata.<key>}; empty: the kind's default")
+    system_prompt = forms.CharField(widget=forms.Textarea(attrs={"rows": 2}), required=False,
+                                    help_text="put before every prompt of the domain")
     heldout_fraction = forms.FloatField(initial=0.1, min_value=0.0, max_value=0.9,
                                         help_text="share of imported tasks kept out of training for evaluation")
 
-    def __init__(self, *args: Any, user: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, user: Any, instance: TaskDomain | None = None, **kwargs: Any) -> None:
+        if instance is not None and not args and "initial" not in kwargs:
+            kwargs["initial"] = {f: getattr(instance, f) for f in self.base_fields}
         super().__init__(*args, **kwargs)
-        self.user = user
+        self.user, self.instance = user, instance
         field = self.fields["verifier"]
         assert isinstance(field, forms.ModelChoiceField)
         field.queryset = Verifier.objects.visible_to(user)
 
     def clean_name(self) -> str:
         name = self.cleaned_data["name"].strip()
-        if TaskDomain.objects.filter(owner=self.user, name=name).exists():
+        clash = TaskDomain.objects.filter(owner=self.instance.owner if self.instance else self.user, name=name)
+        if self.instance is not None:
+            clash = clash.exclude(pk=self.instance.pk)
+        if clash.exists():
             raise forms.ValidationError(f"you already have a domain named {name!r}")
         return name
+
+    def clean(self) -> dict[str, Any]:
+        from webapp.catalog.services import check_domain
+
+        data = super().clean() or {}
+        if "kind" in data:
+            for name, messages in check_domain(kind=data["kind"], verifier=data.get("verifier"),
+                                               prompt_template=data.get("prompt_template", ""),
+                                               domain=self.instance).items():
+                for message in messages:
+                    self.add_error(name if name in self.fields else None, message)
+        return data
 
 
 class UploadForm(forms.Form):
@@ -198,6 +223,15 @@ class VerifierForm(forms.Form):
         if problems:
             raise forms.ValidationError(problems)
         return cases
+
+    def clean(self) -> dict[str, Any]:
+        from webapp.catalog.services import check_verifier
+
+        data = super().clean() or {}
+        if "kind" in data and "calibration_cases" in data:
+            for message in check_verifier(data["kind"], data["calibration_cases"]).get("calibration_cases", []):
+                self.add_error("calibration_cases", message)
+        return data
 
     def clean_config(self) -> dict[str, Any]:
         text = self.cleaned_data.get("config") or "{}"

@@ -50,7 +50,9 @@ def generate(run_id: int, group_ids: list[int]) -> int:
         engine = resident.engine_for(run.engine, pipeline.resolve_model_path(run.base_model), seed=spec.seed)
         if engine.version != latest:
             engine.set_version(pipeline.version_dir(run.pk, latest))
-        samples = engine.generate([g.task.prompt if g.task else "" for g in groups], _sampling(spec, group_size))
+        prompts = [g.domain.render_prompt(g.task.prompt, g.task.reference, g.task.metadata) if g.task and g.domain
+                   else "" for g in groups]
+        samples = engine.generate(prompts, _sampling(spec, group_size))
     rows = [
         pipeline.SampleRow(group_id=groups[i // group_size].pk, index=i % group_size, prompt=s.prompt,
                            completion=s.text, prompt_token_ids=s.prompt_token_ids,
@@ -105,7 +107,9 @@ def evaluate(run_id: int, version: int) -> int:
     with resident.device(run_id):  # every domain's prompts in one batch
         engine = resident.engine_for(run.engine, pipeline.resolve_model_path(run.base_model), seed=spec.seed)
         engine.set_version(pipeline.version_dir(run.pk, version))
-        outputs = engine.generate([t.prompt for t in tasks], _sampling(spec, k, greedy=k == 1)) if tasks else []
+        prompts = [rd.domain.render_prompt(t.prompt, t.reference, t.metadata) for rd, domain_tasks in per_domain
+                   for t in domain_tasks]
+        outputs = engine.generate(prompts, _sampling(spec, k, greedy=k == 1)) if tasks else []
     Trajectory.objects.bulk_create([
         Trajectory(run=run, task=t, domain_id=t.domain_id, group_key=pipeline.eval_key(version, k, t.pk),
                    sample_index=i % k, version=version, prompt=s.prompt, completion=s.text,

@@ -17,15 +17,17 @@ def remote_judge(verifier_row: Any) -> bool:
     return bool(verifier_row is not None and verifier_row.kind == "llm_judge" and (verifier_row.config or {}).get("endpoint"))
 
 
-def judge(verifier_row: Any, prompt: str, completion: str, reference: Any) -> Any:
-    """One verdict. A verifier that crashes gives ``invalid`` with the reason, never a score of 0."""
+def judge(verifier_row: Any, prompt: str, completion: str, reference: Any, kind: str | None = None) -> Any:
+    """One verdict; ``kind`` is the task's domain kind (its reference is read as that kind's). A verifier
+    that crashes gives ``invalid`` with the reason, never a score of 0."""
     from workers.verifiers.base import JudgeInput, get_verifier, invalid
 
     if verifier_row is None:
         return invalid("the domain has no verifier")
     started = time.monotonic()
     try:
-        return get_verifier(verifier_row.kind, verifier_row.config).judge(JudgeInput(prompt=prompt, completion=completion, reference=reference))
+        return get_verifier(verifier_row.kind, verifier_row.config).judge(
+            JudgeInput(prompt=prompt, completion=completion, reference=reference, kind=kind))
     except Exception as exc:
         return invalid(f"verifier crashed: {type(exc).__name__}: {exc}").with_latency(
             (time.monotonic() - started) * 1000)
@@ -69,14 +71,15 @@ def verify_group(group_id: int) -> str:
     started, wait = time.monotonic(), (timezone.now() - group.updated_at).total_seconds()
     reference = group.task.reference if group.task else {}
     verifier = group.domain.verifier if group.domain else None
+    kind = group.domain.kind if group.domain else None
     pending = list(Trajectory.objects.filter(run_id=group.run_id, group_key=group.key, verdict=Verdict.PENDING)
                    .only("id", "prompt", "completion").order_by("sample_index"))
     if remote_judge(verifier) and len(pending) > 1:
         # a remote judge spends its time waiting on the network: ask it about every sample at once
         with ThreadPoolExecutor(max_workers=min(len(pending), 16)) as pool:
-            results = list(pool.map(lambda t: judge(verifier, t.prompt, t.completion, reference), pending))
+            results = list(pool.map(lambda t: judge(verifier, t.prompt, t.completion, reference, kind), pending))
     else:  # in-process and sandboxed verifiers: one at a time (some use signals, main thread only)
-        results = [judge(verifier, t.prompt, t.completion, reference) for t in pending]
+        results = [judge(verifier, t.prompt, t.completion, reference, kind) for t in pending]
     with transaction.atomic():
         for t, v in zip(pending, results, strict=True):
             pipeline.record_verdict(t.pk, status=v.status, score=v.score, reason=v.reason or "",
@@ -133,7 +136,8 @@ def score_evaluation(run_id: int, version: int, samples: int) -> dict[str, float
                     .select_related("task").only("id", "prompt", "completion", "verdict", "reward", "task__reference"))
         if not rows:
             continue
-        judged = [(t, judge(rd.domain.verifier, t.prompt, t.completion, t.task.reference if t.task else {}))
+        judged = [(t, judge(rd.domain.verifier, t.prompt, t.completion, t.task.reference if t.task else {},
+                            rd.domain.kind))
                   for t in rows if t.verdict == Verdict.PENDING]
         with transaction.atomic():
             for t, v in judged:

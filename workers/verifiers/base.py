@@ -30,17 +30,23 @@ from typing import Any, ClassVar, Generic, Literal, Protocol, TypeVar, runtime_c
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from workers.domains.kinds import Reference, ShapeError, domain_kinds_for, parse_reference
+
 VerdictStatus = Literal["pass", "fail", "invalid"]
 STATUSES: tuple[VerdictStatus, ...] = ("pass", "fail", "invalid")
 
 
 @dataclass(frozen=True)
 class JudgeInput:
-    """One sample to judge. ``reference`` is whatever the task stores: a string, a dict, a list."""
+    """One sample to judge. ``reference`` is what the task stores (``workers.domains.kinds``: the kind's
+    reference model dumped), or a bare value standing for its main field. ``kind`` is the task's domain
+    kind when known (the loop always knows it); without it the reference is read as the first kind the
+    verifier judges that it fits."""
 
     prompt: str
     completion: str
     reference: Any = None
+    kind: str | None = None
 
 
 @dataclass(frozen=True)
@@ -186,6 +192,24 @@ class BaseVerifier(Generic[ConfigT]):
 
     def _judge(self, inp: JudgeInput) -> Verdict:  # pragma: no cover - abstract
         raise NotImplementedError
+
+    def read_reference(self, inp: JudgeInput) -> Reference:
+        """The task's reference through its kind's model (``workers.domains.kinds``), the one the importer
+        validated it with; a reference that does not fit raises ``InvalidReference`` saying what is wrong."""
+        kinds = (inp.kind,) if inp.kind else domain_kinds_for(self.kind)
+        try:
+            return parse_reference(inp.reference, kinds)
+        except ShapeError as exc:
+            raise InvalidReference(str(exc)) from None
+
+    def reference_answers(self, inp: JudgeInput) -> list[str]:
+        """The acceptable answers of the task (``answer`` and ``document_qa`` kinds, an ``open`` task's answer)."""
+        try:
+            return self.read_reference(inp).answers()
+        except InvalidReference:
+            raise
+        except ValueError as exc:
+            raise InvalidReference(str(exc)) from None
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.config.model_dump()}>"

@@ -56,7 +56,10 @@ def check_row(line: int, row: dict[str, Any]) -> JudgeInput | RowError:
     for f in ("prompt", "completion"):
         if not isinstance(row[f], str):
             return RowError(line, f"field {f!r} must be a string, got {type(row[f]).__name__}")
-    return JudgeInput(row["prompt"], row["completion"], row["reference"])
+    kind = row.get("kind")
+    if kind is not None and not isinstance(kind, str):
+        return RowError(line, f"field 'kind' must be a domain kind name, got {type(kind).__name__}")
+    return JudgeInput(row["prompt"], row["completion"], row["reference"], kind=kind)
 
 
 def judge_rows(

@@ -2,11 +2,14 @@
 
 The JSON is taken from the whole completion, else from the last fenced block (```json ... ```), else from
 the last decodable object/array in the text (``extract="auto"``). A completion with no decodable JSON
-fails. Equality is type-aware: ``true`` never equals ``1``; ``1`` equals ``1.0``; floats may be compared
-with an absolute tolerance. ``subset``: every key of the reference object must be present with a
-subset-matching value (lists compare element-wise, same length); extra keys in the completion are allowed.
-``schema``: the reference (or ``config.schema``) is a JSON Schema (draft 2020-12) the completion must
-satisfy; an invalid schema makes the verdict invalid.
+fails. The task's reference is a ``json`` kind reference (``workers.domains.kinds.JsonReference``):
+``{"expected": value}`` and/or ``{"schema": {...}}``. Equality is type-aware: ``true`` never equals ``1``;
+``1`` equals ``1.0``; floats may be compared with an absolute tolerance. ``subset``: every key of the
+expected object must be present with a subset-matching value (lists compare element-wise, same length);
+extra keys in the completion are allowed. ``schema``: the completion must satisfy the task's schema and/or
+``config.schema`` (draft 2020-12); every schema that applies is checked in every mode. A mode that lacks
+what it compares with (``equal`` without ``expected``, ``schema`` without any schema) makes the verdict
+invalid — never a pass.
 
 What it does NOT catch: ``subset`` accepts any extra keys, including ones that contradict the intent;
 ``schema`` checks shape, not truth (a schema-valid object full of wrong values passes). Duplicate keys in
@@ -27,6 +30,7 @@ from typing import Any, ClassVar, Literal
 import jsonschema
 from pydantic import Field, field_validator
 
+from workers.domains.kinds import JsonReference
 from workers.verifiers.base import BaseVerifier, InvalidReference, JudgeInput, Verdict, VerifierConfig, scored
 
 _FENCE = re.compile(r"```[ \t]*(?:json|JSON)?[ \t]*\n(.*?)```", re.DOTALL)
@@ -137,39 +141,26 @@ class JsonMatchVerifier(BaseVerifier[JsonMatchConfig]):
     kind: ClassVar[str] = "json_match"
     Config = JsonMatchConfig
 
-    def _reference_value(self, reference: Any) -> Any:
-        if isinstance(reference, str):
-            value = _loads(reference)
-            if value is _MISSING:
-                raise InvalidReference("reference is a string that is not JSON")
-            return value
-        return reference
-
     def _judge(self, inp: JudgeInput) -> Verdict:
         c = self.config
         thr = c.pass_threshold
-        schema = c.schema_
-        expected: Any = None
-        if c.mode == "schema":
-            if schema is None:
-                schema = self._reference_value(inp.reference)
-                if not isinstance(schema, dict):
-                    raise InvalidReference("mode=schema needs a JSON Schema object as reference")
-                try:
-                    jsonschema.Draft202012Validator.check_schema(schema)
-                except jsonschema.SchemaError as exc:
-                    raise InvalidReference(f"reference is not a valid JSON Schema: {exc.message}") from None
-        else:
-            if inp.reference is None:
-                raise InvalidReference("no reference value")
-            expected = self._reference_value(inp.reference)
+        ref = self.read_reference(inp)
+        assert isinstance(ref, JsonReference)
+        # Every schema that applies is checked: the verifier's own and the task's. A mode that needs
+        # something the task lacks is invalid, never a pass: an empty check would reward any JSON.
+        schemas = [s for s in (c.schema_, ref.json_schema) if s is not None]
+        if c.mode == "schema" and not schemas:
+            raise InvalidReference("mode=schema needs a schema: the verifier's 'schema' or the task's 'schema'")
+        if c.mode in ("equal", "subset") and not ref.has_expected:
+            raise InvalidReference(f"mode={c.mode} compares with the task's 'expected' value, which it lacks")
+        expected = ref.expected
         if len(inp.completion) > c.max_completion_chars:
             return scored(0.0, thr, f"completion longer than {c.max_completion_chars} characters")
         got = extract_json(inp.completion, c.extract)
         if got is _MISSING:
             return scored(0.0, thr, "no JSON found in the completion")
         details: dict[str, Any] = {"parsed": got}
-        if schema is not None:
+        for schema in schemas:
             try:
                 errors = _schema_errors(schema, got)
             except jsonschema.exceptions.RefResolutionError as exc:  # pragma: no cover - depends on schema

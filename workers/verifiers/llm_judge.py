@@ -20,6 +20,7 @@ bad answers for the domain, and prefer a programmatic kind whenever one applies.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -170,11 +171,19 @@ class LLMJudgeVerifier(BaseVerifier[LLMJudgeConfig]):
         completion = inp.completion
         if len(completion) > c.max_completion_chars:
             completion = "[…cut…]\n" + completion[-c.max_completion_chars :]
-        reference = inp.reference if isinstance(inp.reference, str) else json.dumps(inp.reference, default=str)
+        rubric, reference = c.rubric, ""
+        if inp.reference not in (None, "", {}):
+            # the task's own rubric is added to the verifier's; its answer (if any) is the reference
+            ref = self.read_reference(inp)
+            task_rubric = getattr(ref, "rubric", "")
+            if task_rubric:
+                rubric = f"{rubric}\n\nFor this task: {task_rubric}"
+            with contextlib.suppress(ValueError):
+                reference = "\n".join(ref.answers())
         nonce = secrets.token_hex(6)
         # The nonce cannot be guessed by the completion, so it cannot close the data tag early.
         return c.template.format(
-            rubric=c.rubric, prompt=inp.prompt, reference="" if inp.reference is None else reference,
+            rubric=rubric, prompt=inp.prompt, reference=reference,
             completion=completion.replace(f"</response-{nonce}>", ""), nonce=nonce,
             format_line=_FORMAT_LINES[c.score_format],
         )

@@ -38,7 +38,6 @@ from workers.verifiers.base import (
     invalid,
     scored,
 )
-from workers.verifiers.text import reference_strings
 
 logger = logging.getLogger(__name__)
 
@@ -145,7 +144,7 @@ class MathVerifier(BaseVerifier[MathConfig]):
 
     def _judge(self, inp: JudgeInput) -> Verdict:
         c = self.config
-        refs = reference_strings(inp.reference)
+        refs = self.reference_answers(inp)
         if len(inp.completion) > c.max_completion_chars:
             return scored(0.0, c.pass_threshold, f"completion longer than {c.max_completion_chars} characters")
         gold_text = refs[0]

@@ -79,12 +79,13 @@ import json
 import re
 import secrets
 import shutil
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from workers.domains.kinds import CodeReference, CommandReference
 from workers.verifiers.base import (
     BaseVerifier,
     InvalidReference,
@@ -521,20 +522,6 @@ def _limits(cfg: LimitsConfig) -> Limits:
     return cfg.to_limits()
 
 
-def _tests_from_reference(reference: Any) -> tuple[str, str | None]:
-    if isinstance(reference, str):
-        return reference, None
-    if isinstance(reference, Mapping):
-        tests = reference.get("tests", reference.get("test"))
-        if not isinstance(tests, str) or not tests.strip():
-            raise InvalidReference("reference needs a non-empty 'tests' string")
-        entry = reference.get("entry_point")
-        if entry is not None and not isinstance(entry, str):
-            raise InvalidReference("reference 'entry_point' must be a string")
-        return tests, entry
-    raise InvalidReference(f"expected test code or {{'tests': ...}}, got {type(reference).__name__}")
-
-
 def _isolation_refusal(limits: LimitsConfig) -> Verdict | None:
     import sandboxes
 
@@ -583,7 +570,9 @@ class PythonTestsVerifier(BaseVerifier[PythonTestsConfig]):
         from sandboxes import SandboxSpec
 
         c = self.config
-        tests, entry_point = _tests_from_reference(inp.reference)
+        ref = self.read_reference(inp)
+        assert isinstance(ref, CodeReference)
+        tests, entry_point = ref.tests, ref.entry_point
         epilogue = build_epilogue(tests, entry_point=entry_point, strict_values=c.strict_values,
                                   flatten_check=c.scoring == "fraction")
         code = extract_code(inp.completion, c.code_extraction)
@@ -679,41 +668,9 @@ class CommandConfig(VerifierConfig):
     max_completion_chars: int = Field(default=100_000, gt=0)
 
 
-@dataclass(frozen=True)
-class CommandReference:
-    script: str | None
-    interpreter: str | None
-    expected_files: dict[str, str]
-    files: dict[str, str]
-
-
 def _safe_relpath(path: str) -> bool:
     parts = path.replace("\\", "/").split("/")
     return bool(path) and not path.startswith("/") and ".." not in parts and all(parts)
-
-
-def _command_reference(reference: Any) -> CommandReference:
-    if isinstance(reference, str):
-        return CommandReference(reference, None, {}, {})
-    if not isinstance(reference, Mapping):
-        raise InvalidReference("expected a script string or {'script', 'expected_files', 'files'}")
-    script = reference.get("script")
-    expected = reference.get("expected_files") or {}
-    files = reference.get("files") or {}
-    interp = reference.get("interpreter")
-    if script is not None and not isinstance(script, str):
-        raise InvalidReference("'script' must be a string")
-    if interp is not None and interp not in ("bash", "python"):
-        raise InvalidReference("'interpreter' must be 'bash' or 'python'")
-    for name, mapping in (("expected_files", expected), ("files", files)):
-        if not isinstance(mapping, Mapping) or not all(isinstance(k, str) and isinstance(v, str) for k, v in mapping.items()):
-            raise InvalidReference(f"'{name}' must map relative paths to strings")
-        bad = [k for k in mapping if not _safe_relpath(k)]
-        if bad:
-            raise InvalidReference(f"'{name}' has unsafe paths: {bad[:3]}")
-    if not script and not expected:
-        raise InvalidReference("reference needs a 'script' and/or 'expected_files'")
-    return CommandReference(script or None, interp, dict(expected), dict(files))
 
 
 _SHELL_RUNNER = """import subprocess
@@ -767,7 +724,8 @@ class CommandVerifier(BaseVerifier[CommandConfig]):
 
         c = self.config
         thr = c.pass_threshold
-        ref = _command_reference(inp.reference)
+        ref = self.read_reference(inp)
+        assert isinstance(ref, CommandReference)
         refused = _isolation_refusal(c.limits)
         if refused is not None:
             return refused
@@ -779,7 +737,7 @@ class CommandVerifier(BaseVerifier[CommandConfig]):
         files: dict[str, str] = dict(ref.files)
         command: list[str] | None = None
         token = secrets.token_hex(16)
-        if ref.script is not None:
+        if ref.script:
             # The script travels in argv of a process started after the completion ran — never as a file
             # the completion could read (and learn the checks from) or replace. A bash wrapper writes a
             # per-judgment token when it exits 0: a report forged by the completion (which ends the

@@ -23,8 +23,7 @@ import re
 import string
 import unicodedata
 from collections import Counter
-from collections.abc import Sequence
-from typing import Any, ClassVar, Literal
+from typing import ClassVar, Literal
 
 import regex
 from pydantic import Field, field_validator
@@ -125,22 +124,6 @@ def normalize(
     return text
 
 
-def reference_strings(reference: Any, keys: Sequence[str] = ("answers", "answer")) -> list[str]:
-    """Acceptable answers from a reference: a string, a list of strings, or a dict holding one of them."""
-    if isinstance(reference, dict):
-        for key in keys:
-            if key in reference:
-                return reference_strings(reference[key], keys)
-        raise InvalidReference(f"reference object has none of the keys {list(keys)}")
-    if isinstance(reference, str):
-        return [reference]
-    if isinstance(reference, (int, float)) and not isinstance(reference, bool):
-        return [str(reference)]
-    if isinstance(reference, list) and reference and all(isinstance(r, (str, int, float)) for r in reference):
-        return [str(r) for r in reference]
-    raise InvalidReference(f"expected a string or a non-empty list of strings, got {type(reference).__name__}")
-
-
 # ---------------------------------------------------------------- exact_match
 
 
@@ -168,7 +151,7 @@ class ExactMatchVerifier(BaseVerifier[ExactMatchConfig]):
         )
 
     def _judge(self, inp: JudgeInput) -> Verdict:
-        refs = [self._norm(r) for r in reference_strings(inp.reference)]
+        refs = [self._norm(r) for r in self.reference_answers(inp)]
         answer, why = _extract_or_none(self.config, inp.completion)
         if answer is None:
             return scored(0.0, self.config.pass_threshold, why, references=refs)
@@ -191,7 +174,7 @@ _FLAG_NAMES = {"IGNORECASE": regex.IGNORECASE, "MULTILINE": regex.MULTILINE, "DO
 
 class RegexConfig(ExtractionConfig):
     pattern: str | None = Field(
-        default=None, description="The pattern; when omitted each task's reference is the pattern (a string)."
+        default=None, description="The pattern; when omitted each task's own 'pattern' field is used."
     )
     mode: Literal["full", "search"] = Field(default="full", description="fullmatch the answer, or search in it.")
     flags: list[Literal["IGNORECASE", "MULTILINE", "DOTALL", "VERBOSE", "ASCII"]] = Field(default_factory=list)
@@ -226,10 +209,11 @@ class RegexVerifier(BaseVerifier[RegexConfig]):
         if self._compiled is not None:
             compiled = self._compiled
         else:
-            if not isinstance(inp.reference, str):
-                raise InvalidReference("regex without a configured pattern needs a string reference")
+            pattern = getattr(self.read_reference(inp), "pattern", None)
+            if not pattern:
+                raise InvalidReference("no pattern: set the verifier's 'pattern', or give each task a 'pattern'")
             try:
-                compiled = regex.compile(inp.reference, self._flags)
+                compiled = regex.compile(pattern, self._flags)
             except regex.error as exc:
                 raise InvalidReference(f"reference pattern does not compile: {exc}") from None
         answer, why = _extract_or_none(self.config, inp.completion)
@@ -287,7 +271,7 @@ class F1Verifier(BaseVerifier[F1Config]):
     Config = F1Config
 
     def _judge(self, inp: JudgeInput) -> Verdict:
-        refs = reference_strings(inp.reference)
+        refs = self.reference_answers(inp)
         if not any(qa_tokens(r) for r in refs):
             raise InvalidReference("every reference answer is empty after normalisation")
         answer, why = _extract_or_none(self.config, inp.completion)
