@@ -122,7 +122,7 @@ class FlakyJudge:
                     self.send_response(500)
                     self.end_headers()
                     return
-                answer = json.loads(fields["Reference"])["answer"]
+                answer = fields["Reference"].strip()  # the task's answer, as the judge is shown it
                 completion = text.split(">\n", 1)[1].split("\n</response-", 1)[0].strip()
                 verdict = "PASS" if completion.split("\n")[0].strip() == answer else "FAIL"
                 body = json.dumps({"choices": [{"message": {"content": f"VERDICT: {verdict}"}}]}).encode()

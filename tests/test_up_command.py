@@ -108,3 +108,86 @@ def test_ctrl_c_during_start_up_leaves_nothing(tmp_path: Path, after: float):
     while processes_with_env(marker) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert processes_with_env(marker) == []
+
+
+def _api_get(port: int, path: str, token: str) -> dict:
+    import json
+
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", headers={"Authorization": f"Token {token}"})
+    with urllib.request.urlopen(request, timeout=5) as response:
+        return json.loads(response.read())
+
+
+def _token(port: int, password: str) -> str:
+    import json
+    import urllib.parse
+
+    body = urllib.parse.urlencode({"username": "demo", "password": password}).encode()
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/v1/auth/token/", data=body, timeout=5) as response:
+        return str(json.loads(response.read())["token"])
+
+
+def _up(tmp_path: Path, env: dict[str, str], name: str) -> tuple[subprocess.Popen[bytes], float, str]:
+    """Start ``manage.py up``; return it, when its page answered (monotonic), and the demo password."""
+    path = tmp_path / f"{name}.log"
+    log = path.open("wb")
+    proc = subprocess.Popen([sys.executable, "manage.py", "up"], cwd=ROOT, env=env, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while b"Temper is running" not in path.read_bytes():
+        assert proc.poll() is None, path.read_text()[-3000:]
+        assert time.monotonic() < deadline, "no URL printed within 120 s"
+        time.sleep(0.2)
+    answered = time.monotonic()
+    password = path.read_text().split("log in as demo / ", 1)[1].split(";", 1)[0]
+    return proc, answered, password
+
+
+def _ctrl_c(proc: subprocess.Popen[bytes]) -> None:
+    os.killpg(proc.pid, signal.SIGINT)
+    proc.wait(60)
+    assert proc.returncode == 0
+
+
+def test_ctrl_c_mid_run_and_up_again_resumes_at_once_and_loses_nothing(tmp_path: Path):
+    """The demo run is stopped mid-run with Ctrl-C and `up` is started again: the run moves within 15 s of
+    the page answering (its lost messages are re-issued at once, not after the stall timeout), and every
+    admitted group is still trained exactly once or dropped with a reason."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "DATABASE_URL")}
+    env.update(TEMPER_VAR_DIR=str(tmp_path), TEMPER_EMBEDDED_REDIS_PORT=str(free_port()), PORT=str(port),
+               PYTHONUNBUFFERED="1")
+    subprocess.run([sys.executable, "manage.py", "migrate", "-v0"], cwd=ROOT, env=env, check=True)
+    proc, _, password = _up(tmp_path, env, "first")
+    try:
+        token = _token(port, password)
+        deadline = time.monotonic() + 180
+        while _api_get(port, "/api/v1/runs/1/", token)["step"] < 4:
+            assert time.monotonic() < deadline, "the demo run made no 4 steps in 180 s"
+            time.sleep(0.5)
+    finally:
+        _ctrl_c(proc)
+    proc, answered, password = _up(tmp_path, env, "second")
+    try:
+        token = _token(port, password)
+        stopped_at = _api_get(port, "/api/v1/runs/1/", token)
+        assert stopped_at["status"] == "running"
+        while (now := _api_get(port, "/api/v1/runs/1/", token))["step"] <= stopped_at["step"]:
+            assert time.monotonic() - answered < 15, (
+                f"still at step {now['step']} {time.monotonic() - answered:.0f} s after the page answered")
+            time.sleep(0.25)
+        resumed_after = time.monotonic() - answered
+        deadline = time.monotonic() + 60
+        while _api_get(port, "/api/v1/runs/1/", token)["step"] < stopped_at["step"] + 3:
+            assert time.monotonic() < deadline
+            time.sleep(0.5)
+    finally:
+        _ctrl_c(proc)
+    # the books, read from the run's own database after both lives: nothing lost, nothing trained twice
+    check = subprocess.run([sys.executable, "manage.py", "shell", "-c", (
+        "from webapp.runs import pipeline; from webapp.runs.models import Run; "
+        "a = pipeline.accounting(Run.objects.get(pk=1)); print('PROBLEMS', a.problems, a.by_status, a.steps)")],
+        cwd=ROOT, env=env, capture_output=True, text=True, check=True)
+    line = next(ln for ln in check.stdout.splitlines() if ln.startswith("PROBLEMS"))
+    assert line.startswith("PROBLEMS []"), line
+    print(f"resumed {resumed_after:.1f} s after the page answered; {line}")

@@ -58,5 +58,5 @@ app.conf.update(
     broker_transport_options={"visibility_timeout": 3600},
     worker_hijack_root_logger=False,
     imports=["workers.tasks.health", "workers.tasks.control", "workers.tasks.rollout", "workers.tasks.train",
-             "workers.tasks.verify", "workers.tasks.export"],
+             "workers.tasks.verify", "workers.tasks.export", "workers.tasks.failures"],
 )

@@ -196,6 +196,9 @@ class PromptGroup(models.Model):
     generate_s = models.FloatField(null=True, blank=True, help_text="Its share of its rollout task's device time")
     verify_wait_s = models.FloatField(null=True, blank=True, help_text="From samples written to judging started")
     verify_s = models.FloatField(null=True, blank=True, help_text="Judging all its samples took this long")
+    holder = models.CharField(max_length=200, blank=True,
+                              help_text="The worker (Celery node) generating or judging it now: when that worker is "
+                                        "known gone, the group is handed out again at once")
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 
@@ -224,6 +227,8 @@ class WorkerHeartbeat(models.Model):
     busy_seconds = models.FloatField(default=0.0, help_text="Seconds spent generating or training since start")
     current_task = models.CharField(max_length=200, blank=True)
     current_run = models.BigIntegerField(null=True, blank=True)
+    device = models.CharField(max_length=200, blank=True,
+                              help_text="Where a GPU worker runs the policy: device and dtype (TEMPER_DEVICE)")
 
     class Meta:
         ordering = ["name"]

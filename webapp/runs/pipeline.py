@@ -8,9 +8,10 @@ nothing twice. The database is the source of truth: Redis holds only queued mess
 
 from __future__ import annotations
 
+import time
 import uuid
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -20,11 +21,12 @@ from django.db.models import Count, Q
 from django.utils import timezone
 
 from webapp.catalog.models import BaseModel, Task
-from webapp.runs.models import PolicyVersion, PromptGroup, Run, Trajectory, Verdict
+from webapp.runs.models import PolicyVersion, PromptGroup, Run, Trajectory, Verdict, WorkerHeartbeat
 from workers.pipeline.scheduler import DomainShare, Limits, PipelineState, Plan
 from workers.pipeline.spec import RunSpec
 
 G = PromptGroup.Status
+TRAIN_CLAIM_KEYS = ("train_claim", "train_claim_at", "train_holder", "train_held_at")
 RUNNING_STATES = (G.ADMITTED, G.GENERATING, G.VERIFYING)
 ACCEPTED_STATES = (G.READY, G.TRAINING, G.TRAINED)
 
@@ -121,8 +123,9 @@ def apply_admission(run: Run, plan: Plan) -> list[int]:
     return [g.pk for g in groups]
 
 
-def claim_groups(group_ids: list[int], from_status: str, to_status: str) -> list[PromptGroup]:
-    PromptGroup.objects.filter(pk__in=group_ids, status=from_status).update(status=to_status, updated_at=timezone.now())
+def claim_groups(group_ids: list[int], from_status: str, to_status: str, holder: str = "") -> list[PromptGroup]:
+    PromptGroup.objects.filter(pk__in=group_ids, status=from_status).update(status=to_status, holder=holder,
+                                                                          updated_at=timezone.now())
     return list(PromptGroup.objects.filter(pk__in=group_ids, status=to_status).select_related("task", "domain"))
 
 
@@ -223,10 +226,16 @@ def drop_stale(run: Run, max_staleness: int, step: int) -> int:
         retry_pending=False, updated_at=timezone.now())
 
 
-def claim_train_batch(run: Run, step: int, batch: int, max_staleness: int) -> list[PromptGroup]:
-    """Claim B ready groups for train step ``step`` (or re-find them when this step is redelivered)."""
+def claim_train_batch(run: Run, step: int, batch: int, max_staleness: int, holder: str = "") -> list[PromptGroup]:
+    """Claim B ready groups for train step ``step`` (or re-find them when this step is redelivered).
+
+    ``holder`` (the worker taking the step) is recorded on the run, so a worker known gone mid-step has its
+    step re-sent at once (``train_claim_orphaned``)."""
     with transaction.atomic():
-        Run.objects.select_for_update().filter(pk=run.pk).first()
+        locked = Run.objects.select_for_update().filter(pk=run.pk).first()
+        if locked is not None and holder and locked.state.get("train_claim") == step:
+            Run.objects.filter(pk=run.pk).update(state={**locked.state, "train_holder": holder,
+                                                        "train_held_at": time.time()})
         claimed = list(PromptGroup.objects.filter(run=run, status=G.TRAINING, trained_step=step))
         if not claimed:
             drop_stale(run, max_staleness, step)
@@ -245,7 +254,7 @@ def release_train_claim(run_id: int) -> None:
     with transaction.atomic():
         locked = Run.objects.select_for_update().get(pk=run_id)
         if "train_claim" in locked.state:
-            state = {k: v for k, v in locked.state.items() if k not in ("train_claim", "train_claim_at")}
+            state = {k: v for k, v in locked.state.items() if k not in TRAIN_CLAIM_KEYS}
             Run.objects.filter(pk=run_id).update(state=state)
 
 
@@ -267,8 +276,9 @@ def finish_train_step(run: Run, step: int, groups: list[PromptGroup], *, version
             status=G.TRAINED, updated_at=timezone.now())
         Trajectory.objects.filter(run=run, group_key__in=[g.key for g in groups]).update(trained_step=step)
         state = dict(locked.state)
-        state.pop("train_claim", None)
-        state.pop("train_claim_at", None)
+        for key in TRAIN_CLAIM_KEYS:
+            state.pop(key, None)
+        state.pop("failures", None)  # the loop made progress: earlier task failures were transient
         # wall clock of the last two steps: the GPU-busy fraction's window
         state["step_window"] = [state.get("last_step_at") or finished_at, finished_at]
         state["last_step_at"] = finished_at
@@ -277,31 +287,105 @@ def finish_train_step(run: Run, step: int, groups: list[PromptGroup], *, version
     return version
 
 
-def recover_stalled(run: Run, older_than: timedelta) -> dict[str, Any]:
+def release_generation(group_ids: list[int]) -> int | None:
+    """Groups a failed generation task held go back to admitted (attempt + 1), to be generated again;
+    the first group's new attempt (part of the new task's id), or None when none was still held."""
+    with transaction.atomic():
+        held = list(PromptGroup.objects.select_for_update().filter(pk__in=group_ids, status=G.GENERATING)
+                    .order_by("id").values_list("id", "attempt"))
+        if not held:
+            return None
+        PromptGroup.objects.filter(pk__in=[g for g, _ in held]).update(
+            status=G.ADMITTED, attempt=held[0][1] + 1, updated_at=timezone.now())
+    return held[0][1] + 1
+
+
+@dataclass(frozen=True)
+class WorkerLiveness:
+    """The workers' heartbeats at one moment: which holder is known gone since when it took its work."""
+
+    rows: dict[str, tuple[Any, Any, Any]]
+    """node name -> (started_at, last_seen, stopped_at)"""
+    silent_after: timedelta
+
+    @classmethod
+    def now(cls, silent_after: timedelta) -> WorkerLiveness:
+        return cls({name: (started, seen, stopped) for name, started, seen, stopped in WorkerHeartbeat.objects
+                    .values_list("name", "started_at", "last_seen", "stopped_at")}, silent_after)
+
+    def gone(self, holder: str, since: Any) -> str | None:
+        """Why ``holder``, which took its work at ``since``, is known gone (None while it may still work)."""
+        if not holder:
+            return None
+        row = self.rows.get(holder)
+        if row is None:
+            return f"{holder} has no heartbeat"
+        started, seen, stopped = row
+        if stopped is not None and stopped >= since:
+            return f"{holder} stopped"
+        if started > since:
+            return f"{holder} restarted"
+        if seen < timezone.now() - self.silent_after:
+            return f"{holder} went silent"
+        return None
+
+
+def recover_stalled(run: Run, older_than: timedelta, *, liveness: WorkerLiveness | None = None,
+                    everything: bool = False) -> dict[str, Any]:
     """Groups whose message was lost (a worker killed, Redis restarted): what must be re-issued.
 
-    Generation and verification are re-queued (at most 3 attempts, then the group is dropped with the
-    reason); a claimed train step is re-issued as is (claims are idempotent). ``attempts`` maps each
-    re-issued group to its new attempt number (part of its task id).
+    Stalled: no progress for ``older_than``; or held by a worker ``liveness`` knows is gone (its process
+    stopped, restarted or went silent: its work is handed out again at once, not after the timeout); or,
+    with ``everything``, all work in flight (the broker lost every queued message). Generation and
+    verification are re-queued (at most 3 attempts, then the group is dropped with the reason); a claimed
+    train step is re-issued as is (claims are idempotent). ``attempts`` maps each re-issued group to its new
+    attempt number (part of its task id); ``why`` counts the reasons.
     """
     cutoff = timezone.now() - older_than
-    stalled = PromptGroup.objects.filter(run=run, status__in=RUNNING_STATES, updated_at__lt=cutoff)
-    out: dict[str, Any] = {"generate": [], "verify": [], "dropped": [], "attempts": {}}
-    for group in stalled:
+    candidates = PromptGroup.objects.filter(run=run, status__in=RUNNING_STATES)
+    if not everything and liveness is None:
+        candidates = candidates.filter(updated_at__lt=cutoff)
+    out: dict[str, Any] = {"generate": [], "verify": [], "dropped": [], "attempts": {}, "why": {}}
+    for group in candidates:
+        if everything:
+            why = "the broker lost its queued messages"
+        elif group.updated_at < cutoff:
+            why = f"no progress for {older_than.total_seconds():.0f} s"
+        elif liveness is not None and (gone := liveness.gone(group.holder, group.updated_at)):
+            why = gone
+        else:
+            continue
+        out["why"][why] = out["why"].get(why, 0) + 1
         if group.attempt >= 3:
             PromptGroup.objects.filter(pk=group.pk).update(
-                status=G.DROPPED, drop_reason=f"stalled in {group.status} after {group.attempt} attempts")
+                status=G.DROPPED, drop_reason=f"stalled in {group.status} after {group.attempt} attempts ({why})"[:200])
             out["dropped"].append(group.pk)
             continue
         if group.status in (G.ADMITTED, G.GENERATING):
-            PromptGroup.objects.filter(pk=group.pk).update(status=G.ADMITTED, attempt=group.attempt + 1,
+            PromptGroup.objects.filter(pk=group.pk).update(status=G.ADMITTED, attempt=group.attempt + 1, holder="",
                                                            updated_at=timezone.now())
             out["generate"].append(group.pk)
         else:
-            PromptGroup.objects.filter(pk=group.pk).update(attempt=group.attempt + 1, updated_at=timezone.now())
+            PromptGroup.objects.filter(pk=group.pk).update(attempt=group.attempt + 1, holder="",
+                                                           updated_at=timezone.now())
             out["verify"].append(group.pk)
         out["attempts"][group.pk] = group.attempt + 1
     return out
+
+
+def train_claim_orphaned(run: Run, older_than: timedelta, *, liveness: WorkerLiveness | None = None,
+                         everything: bool = False) -> str | None:
+    """Why the run's claimed train step must be sent again (None when it is fine or there is none)."""
+    if not run.state.get("train_claim"):
+        return None
+    if everything:
+        return "the broker lost its queued messages"
+    if run.updated_at < timezone.now() - older_than:
+        return f"no progress for {older_than.total_seconds():.0f} s"
+    holder, since = run.state.get("train_holder"), run.state.get("train_held_at")
+    if liveness is not None and holder and since:
+        return liveness.gone(holder, datetime.fromtimestamp(float(since), tz=UTC))
+    return None
 
 
 # Celery task ids are derived from the work they carry, so cancelling a run can revoke its queued tasks

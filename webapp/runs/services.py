@@ -7,6 +7,7 @@ both succeed, and each one writes an event to the run's log. Work is enqueued on
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -230,7 +231,45 @@ def do_complete_run(run: Run, reason: str = "") -> Run:
 
 
 def do_fail_run(run: Run, reason: str) -> Run:
-    return _transition(run, "fail", reason=reason)
+    """→ failed, with the reason; the control worker then revokes the run's queued work and drops the rest."""
+    with transaction.atomic():
+        run = _transition(run, "fail", reason=reason)
+        _enqueue_advance(run)
+    return run
+
+
+def failure_signature(task: str, error: str) -> str:
+    """Which failures count as "the same way": the same task and the same error, its numbers aside
+    (``train_step`` of step 5 and of step 6 failing with one OOM are one failure, twice)."""
+    return f"{task.rsplit('.', 1)[-1]}: " + re.sub(r"\d+", "#", error)[:200]
+
+
+def do_record_task_failure(run_id: int, task: str, error: str) -> Run | None:
+    """A task of the run raised ``error``; after ``max_task_failures`` of the same signature, fail the run.
+
+    Each failure is an event (warning) with the exception's text; the failing one ends the run with it as
+    the reason (shown on the run page, in the API and the event log). A train step recorded since resets
+    the counts (``finish_train_step``): the loop made progress, so earlier failures were transient.
+    """
+    with transaction.atomic():
+        run = Run.objects.select_for_update().filter(pk=run_id).first()
+        if run is None or run.status not in (*ACTIVE_STATUSES, RunStatus.PAUSED):
+            return None
+        spec = RunSpec.model_validate(run.spec)
+        signature = failure_signature(task, error)
+        failures: dict[str, int] = dict(run.state.get("failures", {}))
+        failures[signature] = failures.get(signature, 0) + 1
+        count, limit = failures[signature], spec.max_task_failures
+        state = {**run.state, "failures": failures}
+        Run.objects.filter(pk=run.pk).update(state=state)
+        name = task.rsplit(".", 1)[-1]
+        record_event(run, "task.failed", f"{name} failed ({count} of {limit}): {error}"[:2000],
+                     level=RunEvent.Level.WARNING, data={"task": task, "error": error[:4000], "count": count,
+                                                         "limit": limit})
+        if count >= limit:
+            run.state = state
+            return do_fail_run(run, f"{name} failed {count} times the same way: {error}"[:1000])
+    return run
 
 
 # --- aliases -----------------------------------------------------------------------------------

@@ -34,12 +34,14 @@ from webapp.runs.models import (
     RunStatus,
     Trajectory,
     Verdict,
+    WorkerHeartbeat,
 )
 from webapp.ui.charts import CHARTS, COMPARE_METRICS, sparkline_svg
 from webapp.ui.forms import RunForm
 
 RUNS_PER_PAGE = 50
 TRAJECTORIES_PER_PAGE = 50
+VERSIONS_PER_PAGE = 20
 CONTROLS = (("start", "Start"), ("pause", "Pause"), ("resume", "Resume"), ("cancel", "Cancel"))
 SORTS = {"newest": "-id", "oldest": "id", "name": "name", "step": "-step", "status": "status"}
 
@@ -153,8 +155,15 @@ def _domain_weights(domains: list[TaskDomain], chosen: dict[int, dict[str, str]]
 def run_detail(request: HttpRequest, run_id: int) -> HttpResponse:
     run = _run_or_404(request, run_id)
     run_domains = list(run.run_domains.select_related("domain__verifier"))
-    versions = list(run.versions.order_by("-number")[:50])
+    # the versions list pages (a long run has thousands); newest first
+    versions_page = Paginator(run.versions.order_by("-number").only("id", "number", "step", "created_at"),
+                              VERSIONS_PER_PAGE).get_page(request.GET.get("versions_page"))
+    versions = list(versions_page)
     aliases = _current_aliases(run.base_model)
+    last = run.versions.filter(number__gt=0).order_by("-number").values_list("metrics", flat=True).first() or {}
+    trained_on = " ".join(str(last[k]) for k in ("device", "dtype") if last.get(k))
+    gpu_workers = [(w.name, w.device) for w in WorkerHeartbeat.objects.filter(
+        stopped_at__isnull=True, queues__contains="rollout").exclude(device="").only("name", "device")[:8]]
     groups = _group_counts(run)
     page_config = {
         "run": run.pk,
@@ -167,6 +176,7 @@ def run_detail(request: HttpRequest, run_id: int) -> HttpResponse:
     }
     return render(request, "ui/run_detail.html", {
         "run": run, "run_domains": run_domains, "versions": [(v, aliases.get(v.pk, [])) for v in versions],
+        "versions_page": versions_page, "trained_on": trained_on, "gpu_workers": gpu_workers,
         "controls": [(action, label, run.status in services.TRANSITIONS[action][0]) for action, label in CONTROLS],
         "events": list(run.events.order_by("-id")[:200])[::-1], "groups": groups,
         "spec_json": json.dumps(run.spec, indent=2, sort_keys=True), "page_config": page_config,

@@ -88,6 +88,11 @@ class RunSpec(BaseModel):
     stall_alert_seconds: float = Field(
         180.0, gt=0, description="Alert when a stage holds work this long without progress"
     )
+    max_task_failures: int = Field(
+        3, ge=1, le=100,
+        description="Fail the run when one of its tasks raises the same error this many times (between train "
+        "steps): a failure that repeats is not transient, and retrying it forever hides it",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> RunSpec:

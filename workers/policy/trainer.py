@@ -77,6 +77,9 @@ class TrainerConfig:
     """Consecutive steps in which every group has identical rewards before collapse is reported."""
     seed: int = 0
     device: str = "cpu"
+    """A torch device (``workers.policy.device`` resolves ``TEMPER_DEVICE`` to one)."""
+    autocast: str = "float32"
+    """``bfloat16``: forward passes under bfloat16 autocast on CUDA (weights and optimizer stay float32)."""
 
 
 @dataclass
@@ -248,8 +251,12 @@ class Trainer:
         return {k: v.to(self.device) for k, v in out.items()}
 
     def _completion_logits(self, model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Logits [B, T, V] at the positions that predict each completion token."""
-        logits = model(input_ids=batch["ids"], attention_mask=batch["attn"]).logits
+        """Logits [B, T, V] (float32) at the positions that predict each completion token."""
+        if self.config.autocast == "bfloat16" and self.device.type == "cuda":
+            with torch.autocast(device_type="cuda", dtype=torch.bfloat16):
+                logits = model(input_ids=batch["ids"], attention_mask=batch["attn"]).logits.float()
+        else:
+            logits = model(input_ids=batch["ids"], attention_mask=batch["attn"]).logits
         idx = batch["gather"].unsqueeze(-1).expand(-1, -1, logits.shape[-1])
         return logits.gather(1, idx)
 

@@ -22,6 +22,30 @@ def stall_after() -> timedelta:
     return timedelta(seconds=settings.TEMPER_STALL_SECONDS)
 
 
+def silent_after() -> timedelta:
+    from workers.tasks.health import silent_seconds
+
+    return timedelta(seconds=silent_seconds())
+
+
+BROKER_EPOCH_KEY = "temper:broker-epoch"
+
+
+def broker_was_reset() -> bool:
+    """True once after the broker lost its data (a Redis restarted without persistence, as ``make run``'s
+    embedded one always is): every queued message is gone, so all work in flight must be handed out again
+    now rather than after the stall timeout. A marker key in Redis tells: it is set here and vanishes with
+    the data. (On the very first tick it is missing too; re-issuing then is harmless: every task is
+    idempotent.)"""
+    import redis
+    from django.conf import settings
+
+    try:
+        return bool(redis.Redis.from_url(settings.REDIS_URL).set(BROKER_EPOCH_KEY, str(time.time()), nx=True))
+    except redis.RedisError:
+        return False
+
+
 def send_generate(run_id: int, group_ids: list[int], attempt: int = 0) -> None:
     from webapp.runs.pipeline import generate_task_id
     from workers.tasks.rollout import generate
@@ -115,17 +139,21 @@ def kick_active_runs() -> int:
     from workers.tasks.verify import verify_group
 
     runs = list(Run.objects.filter(status__in=[RunStatus.QUEUED, RunStatus.RUNNING, RunStatus.PAUSING]))
+    everything = broker_was_reset()
+    liveness = pipeline.WorkerLiveness.now(silent_after())
     for run in runs:
-        stalled = pipeline.recover_stalled(run, stall_after())
+        stalled = pipeline.recover_stalled(run, stall_after(), liveness=liveness, everything=everything)
+        if stalled["why"]:
+            log.warning("run %s: re-issuing work (%s)", run.pk, stalled["why"])
         size = RunSpec.model_validate(run.spec).pipeline.rollout_batch_prompts
         ids = stalled["generate"]
         for chunk in (ids[i:i + size] for i in range(0, len(ids), size)):
             send_generate(run.pk, chunk, stalled["attempts"][chunk[0]])
         for gid in stalled["verify"]:
             verify_group.apply_async((gid,), task_id=pipeline.verify_task_id(run.pk, gid, stalled["attempts"][gid]))
-        claim = run.state.get("train_claim")
-        if claim and (run.updated_at < timezone.now() - stall_after()):
-            send_train(run.pk, int(claim))
+        if why := pipeline.train_claim_orphaned(run, stall_after(), liveness=liveness, everything=everything):
+            log.warning("run %s: re-sending train step %s (%s)", run.pk, run.state["train_claim"], why)
+            send_train(run.pk, int(run.state["train_claim"]))
         if run.status == RunStatus.RUNNING:
             check_run_health(run.pk)
         advance_run.delay(run.pk)

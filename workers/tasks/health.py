@@ -38,6 +38,14 @@ def ping_all(timeout: float = 10.0) -> dict[str, dict[str, Any]]:
     return {queue: ping.apply_async(args=[queue], queue=queue).get(timeout=timeout) for queue in QUEUES}
 
 
+def this_worker() -> str:
+    """The Celery node name of the worker running the current task (what its heartbeat row is named)."""
+    from celery import current_task
+
+    request = getattr(current_task, "request", None)
+    return str(getattr(request, "hostname", "") or "")
+
+
 def heartbeat_seconds() -> float:
     return float(os.environ.get("TEMPER_HEARTBEAT_SECONDS", "5"))
 
@@ -73,10 +81,22 @@ class Heartbeat(threading.Thread):
             WorkerHeartbeat.objects.update_or_create(name=self.node, defaults={
                 "queues": self.queues, "pid": os.getpid(), "started_at": self.started, "last_seen": timezone.now(),
                 "stopped_at": timezone.now() if stopped else None, "busy_seconds": busy_seconds(),
-                "current_task": task, "current_run": run_id})
+                "current_task": task, "current_run": run_id, "device": self.device()})
         except Exception as exc:  # the database is away for a moment: the next beat tries again
             log.warning("heartbeat of %s failed: %s", self.node, exc)
             connection.close()
+
+    def device(self) -> str:
+        """A GPU worker's placement (``TEMPER_DEVICE`` resolved), or what stops it; empty for other workers."""
+        if not {"rollout", "train"} & set(self.queues.split(",")):
+            return ""
+        from workers.policy.device import DeviceUnavailable
+        from workers.tasks import resident
+
+        try:
+            return str(resident.placement().describe())
+        except DeviceUnavailable as exc:
+            return f"unavailable: {exc}"[:200]
 
     def run(self) -> None:
         while True:

@@ -28,6 +28,7 @@ def generate(run_id: int, group_ids: list[int]) -> int:
     from workers.pipeline.spec import RunSpec
     from workers.tasks import resident
     from workers.tasks.control import advance_run
+    from workers.tasks.health import this_worker
     from workers.tasks.verify import verify_batch
 
     run = Run.objects.select_related("base_model").filter(pk=run_id).first()
@@ -37,7 +38,8 @@ def generate(run_id: int, group_ids: list[int]) -> int:
         PromptGroup.objects.filter(pk__in=group_ids, status=PromptGroup.Status.ADMITTED).update(
             status=PromptGroup.Status.DROPPED, drop_reason=f"run {run.status} before generation")
         return 0
-    groups = pipeline.claim_groups(group_ids, PromptGroup.Status.ADMITTED, PromptGroup.Status.GENERATING)
+    groups = pipeline.claim_groups(group_ids, PromptGroup.Status.ADMITTED, PromptGroup.Status.GENERATING,
+                                   holder=this_worker())
     if not groups:
         return 0
     claimed_at = timezone.now()
@@ -48,8 +50,7 @@ def generate(run_id: int, group_ids: list[int]) -> int:
         # the newest version now that this task holds the device (a train step may just have finished)
         latest = Run.objects.filter(pk=run_id).values_list("latest_version", flat=True).get()
         engine = resident.engine_for(run.engine, pipeline.resolve_model_path(run.base_model), seed=spec.seed)
-        if engine.version != latest:
-            engine.set_version(pipeline.version_dir(run.pk, latest))
+        resident.serve(engine, run_id, latest, pipeline.version_dir(run.pk, latest))  # this run's version
         prompts = [g.domain.render_prompt(g.task.prompt, g.task.reference, g.task.metadata) if g.task and g.domain
                    else "" for g in groups]
         samples = engine.generate(prompts, _sampling(spec, group_size))
@@ -106,7 +107,7 @@ def evaluate(run_id: int, version: int) -> int:
     tasks = [t for _, domain_tasks in per_domain for t in domain_tasks]
     with resident.device(run_id):  # every domain's prompts in one batch
         engine = resident.engine_for(run.engine, pipeline.resolve_model_path(run.base_model), seed=spec.seed)
-        engine.set_version(pipeline.version_dir(run.pk, version))
+        resident.serve(engine, run_id, version, pipeline.version_dir(run.pk, version))
         prompts = [rd.domain.render_prompt(t.prompt, t.reference, t.metadata) for rd, domain_tasks in per_domain
                    for t in domain_tasks]
         outputs = engine.generate(prompts, _sampling(spec, k, greedy=k == 1)) if tasks else []

@@ -60,6 +60,7 @@ def _train_step(run_id: int, step: int) -> int | None:
     from workers.policy.trainer import Group, TrainerConfig
     from workers.tasks import resident
     from workers.tasks.control import advance_run
+    from workers.tasks.health import this_worker
 
     task_started, wall_started = time.monotonic(), time.time()
     run = Run.objects.select_related("base_model").filter(pk=run_id).first()
@@ -71,7 +72,7 @@ def _train_step(run_id: int, step: int) -> int | None:
         pipeline.release_train_claim(run_id)
         return None
     claimed_at = run.state.get("train_claim_at")
-    groups = pipeline.claim_train_batch(run, step, limits.batch_groups, limits.max_staleness)
+    groups = pipeline.claim_train_batch(run, step, limits.batch_groups, limits.max_staleness, holder=this_worker())
     if not groups:
         pipeline.release_train_claim(run_id)
         advance_run.delay(run_id)
@@ -105,6 +106,7 @@ def _train_step(run_id: int, step: int) -> int | None:
         **metrics.as_dict(), "train_seconds": timer.seconds, "train_task_seconds": time.monotonic() - task_started,
         "train_queue_wait_s": max(0.0, wall_started - float(claimed_at)) if claimed_at else None,
         "nonfinite": bool(metrics.collapse_reason and "non-finite" in metrics.collapse_reason),
+        "device": resident.placement().device, "dtype": resident.placement().dtype,
     }
     version = pipeline.finish_train_step(run, step, groups, version_path=out, finished_at=time.time(),
                                          metrics=finite(facts))

