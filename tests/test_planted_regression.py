@@ -1,9 +1,13 @@
-"""A real planted regression: a version trained only on addition (the demo GRPO loop, real weights),
-evaluated by the real workers on both demo domains. Multiplication drops beyond noise while the average
-rises; the comparison flags it and the gate refuses promotion to production.
+"""A real planted regression: a version trained only on multiplication (the demo GRPO loop, real weights),
+evaluated by the real workers on both demo domains. Addition drops far beyond noise; the comparison flags
+it and the gate refuses promotion to production, naming the domain. (That a regression is flagged even
+when the average rises is `tests/test_promotion_gate.py`'s case.)
 
-On the machine this was written on: addition 34 % → 48 %, multiplication 6 % → 0 % (all 144 held-out
-tasks, paired), average 20 % → 24 %.
+Measured here: addition 35 % → 17 % (1,000 held-out tasks, paired), multiplication 3.5 % → 3.5 %.
+The earlier plant — trained on addition, multiplication regressing — depended on the CPU's float kernels:
+multiplication starts at 3-6 % (5-9 of 144 tasks), and on this machine's CPU it went 3.5 % → 2.1 %, within
+noise, so the test failed on a machine it had passed on. A plant whose effect is 18 points on 1,000 tasks
+does not.
 """
 
 from __future__ import annotations
@@ -36,8 +40,8 @@ def test_version_trained_on_one_domain_regresses_the_other_and_is_refused(api, u
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        report = run_grpo(DEMO, tmp_path / "grpo", domain="addition", config=TrainerConfig(seed=0, lr=1e-3),
-                          max_steps=60, time_budget_s=600, eval_every=1000, seed=0)
+        report = run_grpo(DEMO, tmp_path / "grpo", domain="multiplication", config=TrainerConfig(seed=0, lr=1e-3),
+                          max_steps=60, time_budget_s=1e9, eval_every=1000, seed=0)
     finally:
         torch.set_num_threads(threads)
     trained = tmp_path / "grpo" / f"v{report.steps:05d}"
@@ -51,7 +55,7 @@ def test_version_trained_on_one_domain_regresses_the_other_and_is_refused(api, u
                                  for p, a in _split_pool(name, "heldout")])
         domains.append(domain)
     bm = BaseModel.objects.create(owner=user, name="demo", path=str(DEMO))
-    run = do_create_run(user, name="addition only", base_model=bm, domains=[DomainWeight(d) for d in domains],
+    run = do_create_run(user, name="multiplication only", base_model=bm, domains=[DomainWeight(d) for d in domains],
                         spec={"eval_tasks": 1000, "sampling": {"max_tokens": 6, "stop": ["\n"]}})
     v0 = PolicyVersion.objects.create(run=run, number=0)
     v1 = PolicyVersion.objects.create(run=run, number=1, step=report.steps, parent=v0)
@@ -75,10 +79,9 @@ def test_version_trained_on_one_domain_regresses_the_other_and_is_refused(api, u
 
     body = api.get(f"/api/v1/policy-versions/{v1.pk}/compare/?against=base").json()
     rows = {d["domain"]: d for d in body["domains"]}
-    assert rows["addition"]["score"] > rows["addition"]["baseline"]
-    assert rows["multiplication"]["score"] < rows["multiplication"]["baseline"]
-    assert body["gain"] > 0, body  # the average rises...
-    assert body["regressions"] == ["multiplication"], body  # ...and multiplication is flagged anyway
-    assert rows["multiplication"]["paired_tasks"] == 144
+    assert rows["addition"]["score"] < rows["addition"]["baseline"] - 0.05, rows
+    assert body["regressions"] == ["addition"], json.dumps(body)[:3000]
+    assert rows["addition"]["paired_tasks"] == 1000 and rows["addition"]["ci95"][1] < 0
+    assert not rows["multiplication"]["regression"]
     refused = api.post(f"/api/v1/policy-versions/{v1.pk}/promote/", {"alias": "production"}, format="json")
-    assert refused.status_code == 409 and "multiplication regressed" in refused.json()["detail"]
+    assert refused.status_code == 409 and "addition regressed" in refused.json()["detail"]

@@ -4,11 +4,13 @@ to the field, other users' objects are 404, and actions go through the services.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import pytest
 from django.test import Client
 from django.urls import reverse
+from django.utils import timezone
 
 from tests import factories
 from webapp.catalog.models import CalibrationCase, TaskDomain
@@ -313,3 +315,23 @@ def test_version_page_compares_flags_and_gates(client_in: Client, user: Any) -> 
     # the versions list and the run page link to it; v0 compares against nothing and says so
     assert reverse("version", args=[v1.pk]) in client_in.get(reverse("versions")).content.decode()
     assert client_in.get(reverse("version", args=[v0.pk]) + "?against=nonsense").status_code == 200
+
+
+def test_the_run_page_pages_its_versions_and_shows_the_device(client_in: Client, user: Any) -> None:
+    """A 400-step run does not list 400 versions inline: 20 a page, newest first, with a pager."""
+    from webapp.runs.models import WorkerHeartbeat
+
+    run = factories.run(user, name="long")
+    PolicyVersion.objects.bulk_create([PolicyVersion(run=run, number=n, step=n, metrics={"device": "cpu",
+                                                                                         "dtype": "float32"})
+                                       for n in range(1, 401)])
+    now = timezone.now()
+    WorkerHeartbeat.objects.create(name="gpu@box", queues="rollout,train", pid=1, started_at=now, last_seen=now,
+                                   device="cuda:0 (H200) bfloat16")
+    page = client_in.get(reverse("run", args=[run.pk])).content.decode()
+    shown = re.findall(r">v(\d+)</a></td>", page)
+    assert shown == [str(n) for n in range(400, 380, -1)]
+    assert "page 1 of 20 (400 versions)" in page and "versions_page=2" in page
+    assert "trained on cpu float32" in page and "gpu@box: cuda:0 (H200) bfloat16" in page
+    last = client_in.get(reverse("run", args=[run.pk]) + "?versions_page=20").content.decode()
+    assert re.findall(r">v(\d+)</a></td>", last) == [str(n) for n in range(20, 0, -1)]

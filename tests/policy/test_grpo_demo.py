@@ -1,7 +1,10 @@
 """End to end on the policy pieces alone: GRPO raises the demo model's held-out exact match by >= 40 points.
 
-Slow (~1-4 minutes each on this 2-core machine). Torch runs single-threaded here: with the CPU shared, two
-OpenMP threads made each step ~7x slower; one thread is as fast as it gets for a 1M-parameter model.
+A learning result is bounded by steps with a fixed seed, never by seconds: each test must reach +40 points
+within ``*_STEPS`` steps (measured: the torch engine at step 230, 73 s here; the vLLM engine at step
+210, 165 s), whatever the machine's load. pytest-timeout is only the safety net. Torch runs
+single-threaded here: with the CPU shared, two OpenMP threads made each step ~7x slower; one thread is as
+fast as it gets for a 1M-parameter model.
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ from workers.policy.demo_loop import run_grpo
 from workers.policy.engines import load_engine
 from workers.policy.trainer import TrainerConfig
 
-BUDGET_S = 280.0
+TORCH_STEPS = 300  # measured: +42 points first seen at step 230 (seed 0)
+VLLM_STEPS = 300  # measured: +43 points first seen at step 210 (seed 0), 165 s on this machine
+NO_TIME_LIMIT = 1e9  # the loop stops on steps; pytest-timeout (600 s) is the only clock
 
 
 @pytest.fixture()
@@ -46,8 +51,8 @@ def test_grpo_with_torch_engine_gains_40_points(
         tmp_path,
         engine_name="torch",
         config=cfg,
-        max_steps=1000,
-        time_budget_s=BUDGET_S,
+        max_steps=TORCH_STEPS,
+        time_budget_s=NO_TIME_LIMIT,
         seed=0,
         early_stop_gain=0.42,  # stop at the first evaluation past the bar (0.02 over it: float sums)
     )
@@ -55,7 +60,6 @@ def test_grpo_with_torch_engine_gains_40_points(
         f"torch rank={cfg.lora_rank}: {report.before:.1%} -> {report.after:.1%} in {report.steps} steps, "
         f"{report.seconds:.0f} s"
     )
-    assert report.seconds < 300
     assert report.after - report.before >= 0.40, report.history[-5:]
     assert not report.collapsed
 
@@ -73,8 +77,8 @@ def test_grpo_with_vllm_engine_gains_40_points(demo_dir: Path, tmp_path: Path, o
             tmp_path,
             engine=engine,
             config=cfg,
-            max_steps=1000,
-            time_budget_s=BUDGET_S,
+            max_steps=VLLM_STEPS,
+            time_budget_s=NO_TIME_LIMIT,
             seed=0,
             early_stop_gain=0.42,  # stop at the first evaluation past the bar (0.02 over it: float sums)
         )
@@ -83,7 +87,6 @@ def test_grpo_with_vllm_engine_gains_40_points(demo_dir: Path, tmp_path: Path, o
     print(
         f"vllm lora: {report.before:.1%} -> {report.after:.1%} in {report.steps} steps, {report.seconds:.0f} s"
     )
-    assert report.seconds < 300
     assert report.after - report.before >= 0.40, report.history[-5:]
 
 
@@ -98,7 +101,7 @@ def test_full_finetune_at_high_lr_collapses_and_is_reported(
         engine_name="torch",
         config=cfg,
         max_steps=150,
-        time_budget_s=120,
+        time_budget_s=NO_TIME_LIMIT,
         seed=0,
         eval_every=1000,
         stop_on_collapse=True,

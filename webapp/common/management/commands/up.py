@@ -177,6 +177,11 @@ class Command(BaseCommand):
         options = self._options(opts)
         for role in ROLES:
             self._spawn(role.name, role_argv(role, **options))
+        # A (re)start: hand out again, at once, whatever the last life left in flight (its queued messages
+        # died with the embedded Redis; see kick_active_runs), instead of waiting for the beat's next tick.
+        from workers.celery import app
+
+        app.send_task("workers.tasks.control.kick_active_runs")
         url = f"http://{opts['host']}:{opts['port']}"
         deadline = time.monotonic() + 60
         while not self.stopping:
