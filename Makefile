@@ -44,6 +44,7 @@ system-deps:
 
 lint: $(VENV)/.dev-installed
 	$(PY) -m ruff check .
+	$(VENV)/bin/lint-imports --no-cache
 
 typecheck: $(VENV)/.dev-installed
 	$(PY) -m mypy webapp workers sandboxes

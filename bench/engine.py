@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from workers.policy.demo_model import demo_tasks, exact_match
-    from workers.policy.engines import SamplingSpec
+    from workers.policy.engines import SamplingParams
     from workers.policy.torch_engine import TorchEngine
     from workers.policy.trainer import Group, Trainer, TrainerConfig
 
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [r["prompt"] for r in rows]
     engine = TorchEngine(args.base, seed=0)
     model, tok = engine.model, engine.tokenizer
-    spec = SamplingSpec(n=args.n, temperature=1.0, max_tokens=args.max_tokens)
+    spec = SamplingParams(n=args.n, temperature=1.0, max_tokens=args.max_tokens)
 
     def run_engine() -> int:
         return sum(len(s.completion_token_ids) for s in engine.generate(prompts, spec))

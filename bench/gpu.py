@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from workers.policy.device import resolve, torch_dtype
-    from workers.policy.engines import SamplingSpec, load_engine
+    from workers.policy.engines import SamplingParams, load_engine
 
     if not torch.cuda.is_available():
         print(f"no CUDA: torch {torch.__version__} (CUDA build: {torch.version.cuda or 'none'}) sees no GPU here; "
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
                 out = _grpo(base, work / "vllm", engine, where.device, where.dtype, args.steps)
                 version = sorted((work / "vllm").glob("v*"))[-1]
                 prompts = [f"{a}+{b}=" for a in range(10, 40) for b in (11, 57)]
-                greedy = SamplingSpec(temperature=0.0, max_tokens=6)
+                greedy = SamplingParams(temperature=0.0, max_tokens=6)
                 started = time.monotonic()
                 engine.set_version(version)
                 via_vllm = [s.text for s in engine.generate(prompts, greedy)]

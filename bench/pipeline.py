@@ -253,15 +253,15 @@ def seed(judge_url: str) -> tuple[Any, Any, Any]:
 def heldout_reward(run: Any, domain: Any, version: int) -> float:
     """Greedy exact match of one version of the run on every held-out task of the domain."""
     from webapp.catalog.models import Task
-    from webapp.runs import pipeline
+    from webapp.runs.loop import paths
+    from workers.policy import resident
     from workers.policy.demo_model import exact_match
-    from workers.policy.engines import SamplingSpec
-    from workers.tasks import resident
+    from workers.policy.engines import SamplingParams
 
-    engine = resident.engine_for("torch", pipeline.resolve_model_path(run.base_model))
-    engine.set_version(pipeline.version_dir(run.pk, version))
+    engine = resident.engine_for("torch", paths.resolve_model_path(run.base_model))
+    engine.set_version(paths.version_dir(run.pk, version))
     tasks = list(Task.objects.filter(domain=domain, split=Task.Split.HELDOUT).order_by("id"))
-    out = engine.generate([t.prompt for t in tasks], SamplingSpec(temperature=0.0, max_tokens=6, stop=("\n",)))
+    out = engine.generate([t.prompt for t in tasks], SamplingParams(temperature=0.0, max_tokens=6, stop=("\n",)))
     return statistics.fmean(exact_match(s.text, t.reference["answer"]) for s, t in zip(out, tasks, strict=True))
 
 

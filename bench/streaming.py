@@ -1,6 +1,6 @@
 """Live charts, measured in a real Chromium against daphne, Redis and the project's own code.
 
-1. Worker → browser latency: a separate worker process calls ``workers.telemetry.emit`` (the call every
+1. Worker → browser latency: a separate worker process calls ``webapp.runs.loop.live.emit`` (the call every
    Celery task makes: persist with sequence numbers, then broadcast to the run's channel group); the run
    page, open in Chromium, records when each point is on screen. Baseline, measured in the same run on the
    same points: a dashboard that polls the REST API every 2 s (how W&B-style pages stay current).
@@ -148,8 +148,8 @@ def emitter(run_id: int, emits: int, interval: float) -> None:
     import django
 
     django.setup()
+    from webapp.runs.loop.live import emit
     from webapp.runs.metrics import Point
-    from workers.telemetry import emit
 
     for step in range(1, emits + 1):
         t = time.time() * 1000

@@ -7,7 +7,6 @@ Celery tasks and tests can build and inspect them without starting anything.
 
 from __future__ import annotations
 
-import base64
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -233,7 +232,3 @@ def _text(data: bytes, limit: int) -> str:
     text = data[:limit].decode("utf-8", errors="replace")
     return text if len(data) <= limit else text + f"\n…[{len(data) - limit} more bytes]"
 
-
-def artifact_data_b64(artifact: Artifact) -> str | None:
-    """Base64 of an artifact's content, for JSON transports."""
-    return None if artifact.data is None else base64.b64encode(artifact.data).decode("ascii")

@@ -32,8 +32,9 @@ from typing import Any
 
 from sandboxes._linux import CgroupSet
 from sandboxes.api import SandboxResult, SandboxSpec
+from sandboxes.protocol import Standby, recv_packet, send_packet
 from sandboxes.runner import Runner, error_result
-from sandboxes.zygote import SANDBOX_ENV, Standby, recv_packet, send_packet
+from sandboxes.zygote import SANDBOX_ENV
 
 log = logging.getLogger("sandboxes")
 

@@ -31,7 +31,8 @@ from typing import Any
 
 from sandboxes.api import Artifact, HarnessReport, SandboxResult, SandboxSpec, StatementOutcome, Status
 from sandboxes.harness import MAX_REPORT_BYTES, ReportTampered, decode_frames, prepare_epilogue
-from sandboxes.zygote import _LEN, DEFAULT_DISK, DEFAULT_LIMITS, SANDBOX_ROOT, Standby
+from sandboxes.protocol import JOB_LENGTH, Standby
+from sandboxes.zygote import DEFAULT_DISK, DEFAULT_LIMITS, SANDBOX_ROOT
 
 MAX_ARTIFACTS = 100
 MAX_ARTIFACT_CANDIDATES = 1000
@@ -69,7 +70,7 @@ class Runner:
                (limits.cpu_seconds, limits.max_file_bytes, limits.max_open_files, limits.max_processes,
                 limits.memory_bytes))
         data = marshal.dumps(job)
-        return self._supervise(standby, spec, key, statements, _LEN.pack(len(data)) + data, exit_status)
+        return self._supervise(standby, spec, key, statements, JOB_LENGTH.pack(len(data)) + data, exit_status)
 
     def _prepare(self, standby: Standby, spec: SandboxSpec, remount: Callable[[int, int], None]) -> None:
         limits = spec.limits

@@ -38,10 +38,7 @@ import resource
 import select
 import signal
 import socket
-import struct
 import sys
-from dataclasses import dataclass
-from typing import Any
 
 from sandboxes import _linux
 from sandboxes.api import Limits
@@ -53,6 +50,7 @@ from sandboxes.harness import (
     load_epilogue,
     run_harness,
 )
+from sandboxes.protocol import JOB_LENGTH, recv_packet, send_packet
 
 # Imported here so that executions find them already loaded (the point of a warm interpreter).
 PRELOAD = (
@@ -86,55 +84,6 @@ REPORT_PIPE_BYTES = 1 << 20
 GO_FD = 4  # D reads its job here; closed before the untrusted code runs
 DEFAULT_LIMITS = Limits()
 DEFAULT_DISK = DEFAULT_LIMITS.disk_bytes
-
-_LEN = struct.Struct(">Q")
-
-
-MAX_PACKET = 1 << 16
-
-
-def send_packet(sock: socket.socket, obj: Any, fds: list[int] | tuple[int, ...] = ()) -> None:
-    """One message of plain values (marshal: between trusted processes only, and no Python code runs to
-    encode or decode it) on a SOCK_SEQPACKET socket, with fds."""
-    socket.send_fds(sock, [marshal.dumps(obj)], list(fds))
-
-
-def recv_packet(sock: socket.socket) -> tuple[Any, list[int]]:
-    """(message, fds); (None, []) when the peer closed the socket."""
-    data, fds, _, _ = socket.recv_fds(sock, MAX_PACKET, 16)
-    if not data:
-        return None, fds
-    return marshal.loads(data), fds
-
-
-@dataclass
-class Standby:
-    """A pre-forked sandbox process waiting for its job; used once."""
-
-    pid: int  # in the zygote's PID namespace (PID 1 of its own)
-    pidfd: int
-    slot: str  # the slot's root as the zygote sees it (a tmpfs in the namespaced tiers)
-    cgroup: _linux.CgroupSet | None
-    go_w: int  # the job goes through this pipe
-    stdin_fd: int
-    out_r: int
-    err_r: int
-    rep_r: int
-    ident: int
-
-    @property
-    def workdir(self) -> str:
-        return os.path.join(self.slot, "work")
-
-    def fds(self) -> list[int]:
-        return [self.pidfd, self.go_w, self.stdin_fd, self.out_r, self.err_r, self.rep_r]
-
-    def close_fds(self) -> None:
-        for fd in self.fds():
-            if fd >= 0:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
-
 
 class Zygote:
     """Makes the standbys, reaps them and cleans up after them, ahead of and behind the owner's requests:
@@ -483,12 +432,12 @@ class Zygote:
 
         def receive_job() -> Job:
             """Block until the owner sends the job (it is the only writer of this pipe); set its limits."""
-            header = _read_exact(go_fd, _LEN.size)
+            header = _read_exact(go_fd, JOB_LENGTH.size)
             if header is None:
                 os._exit(0)  # discarded without a job
             # Plain values, marshalled by the owner (trusted): no Python code runs to load them.
             code, code_path, epilogue, command, key, limits = marshal.loads(
-                _read_exact(go_fd, _LEN.unpack(header)[0]) or b"")
+                _read_exact(go_fd, JOB_LENGTH.unpack(header)[0]) or b"")
             os.close(go_fd)
             cpu_seconds, max_file_bytes, max_open_files, max_processes, memory_bytes = limits
             # Lowering limits needs no privilege, so they are set after the drop, per job. RLIMIT_CPU counts

@@ -13,7 +13,7 @@ import pytest
 from tests import factories
 from tests.policy.conftest import make_lora_version
 from webapp.catalog.models import BaseModel
-from webapp.runs import pipeline
+from webapp.runs.loop import paths
 from webapp.runs.models import PolicyVersion
 from webapp.runs.services import DomainWeight, do_create_run
 
@@ -29,7 +29,7 @@ def lora_version(user, settings, tmp_path):
     run = do_create_run(user, name="r", base_model=bm, domains=[DomainWeight(domain)])
     v0 = PolicyVersion.objects.create(run=run, number=0)
     v1 = PolicyVersion.objects.create(run=run, number=1, step=1, parent=v0)
-    target = pipeline.version_dir(run.pk, 1)
+    target = paths.version_dir(run.pk, 1)
     assert target is not None
     make_lora_version(DEMO, target, version=1, seed=1)
     factories.evaluation(v1, domain, [1.0, 0.0, 1.0])

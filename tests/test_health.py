@@ -16,10 +16,10 @@ from asgiref.sync import async_to_sync
 from django.utils import timezone
 
 from tests import factories
+from webapp.runs.loop.alerts import check_run as check_run_health
 from webapp.runs.metrics import Point, record_points
 from webapp.runs.models import PromptGroup, Run, RunStatus, WorkerHeartbeat
-from workers.pipeline.health import Bounds, HealthFacts, StepFacts, WorkerFacts, changes, check
-from workers.tasks.health import check_run_health
+from workers.pipeline.alerts import Bounds, HealthFacts, StepFacts, WorkerFacts, changes, check
 
 ALL_LIVE = tuple(WorkerFacts(f"w-{q}", (q,), silent_s=1.0) for q in ("control", "rollout", "train", "verify"))
 

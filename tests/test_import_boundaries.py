@@ -55,3 +55,11 @@ def test_web_process_imports_no_torch_or_vllm():
 def test_engines_are_imported_lazily():
     loaded = modules_after("import workers.policy")
     assert "vllm" not in roots(loaded)
+
+
+def test_the_import_layers_hold_and_webapp_never_imports_the_tasks():
+    """The layers contract of pyproject.toml (also run by `make lint`): workers.tasks above webapp above
+    workers.messages above the pure data plane above sandboxes; no cycle among the three packages."""
+    out = subprocess.run([str(Path(sys.executable).with_name("lint-imports")), "--no-cache"], cwd=ROOT,
+                         capture_output=True, text=True)
+    assert out.returncode == 0 and "1 kept, 0 broken" in out.stdout, out.stdout[-3000:]

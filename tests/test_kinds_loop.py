@@ -22,7 +22,7 @@ from django.db.models import Count, Q
 from tests.conftest import WorkerProcess, worker_env
 from tests.test_domain_kinds import CASES, _Judge
 from tests.test_pipeline import wait_status
-from webapp.runs import pipeline
+from webapp.runs.loop.accounting import accounting
 from webapp.runs.models import Evaluation, PromptGroup, Trajectory
 from workers.domains import kinds
 
@@ -112,7 +112,7 @@ def test_each_kind_calibrates_on_stored_tasks_and_trains_with_real_verdicts(
     assert api.post(f"/api/v1/runs/{run_id}/start/", {}, format="json").status_code == 200
     finished = wait_status(run_id, {"completed"}, timeout=180)
     assert finished.step == 2
-    assert not pipeline.accounting(finished).problems
+    assert not accounting(finished).problems
     # the held-out evaluation at step 2 is scored on the verify queue after the run completed: wait for it
     deadline = time.monotonic() + 60
     while not Evaluation.objects.filter(version__run_id=run_id, version__number=2, status="done").exists():

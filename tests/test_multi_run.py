@@ -18,7 +18,7 @@ from tests import factories
 from tests.test_pipeline import assert_counts_add_up, wait_status
 from webapp.catalog.models import BaseModel, TaskDomain
 from webapp.catalog.services import do_import_tasks
-from webapp.runs import pipeline
+from webapp.runs.loop import paths
 from webapp.runs.models import Trajectory
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
@@ -36,7 +36,7 @@ def recomputed(version_dir, samples) -> list[list[float]]:
     from workers.policy import versions
     from workers.policy.losses import token_logprobs
 
-    base = pipeline.resolve_model_path(BaseModel(path="assets/base-models/demo"))
+    base = paths.resolve_model_path(BaseModel(path="assets/base-models/demo"))
     model = versions.load_version(base, version_dir)
     out = []
     with torch.no_grad():
@@ -82,8 +82,8 @@ def test_two_runs_on_one_base_model_and_one_gpu_worker_sample_their_own_policies
             if not samples:
                 continue
             behaviour = [t.behaviour_logprobs for t in samples]
-            under_own = recomputed(pipeline.version_dir(own.pk, number), samples)
-            under_other = recomputed(pipeline.version_dir(other.pk, number), samples)
+            under_own = recomputed(paths.version_dir(own.pk, number), samples)
+            under_other = recomputed(paths.version_dir(other.pk, number), samples)
             own_gap, other_gap = mean_gap(behaviour, under_own), mean_gap(behaviour, under_other)
             # the sampled tokens' log-probs are the run's own policy's (float noise only), not the other's
             assert own_gap < 2e-3, (own.name, number, own_gap)

@@ -18,7 +18,8 @@ from django.db.models import Count
 from tests import factories
 from webapp.catalog.models import BaseModel, TaskDomain
 from webapp.catalog.services import do_import_tasks
-from webapp.runs import pipeline
+from webapp.runs.loop import tick
+from webapp.runs.loop.accounting import accounting
 from webapp.runs.models import Evaluation, MetricPoint, PolicyVersion, PromptGroup, Run, Trajectory
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
@@ -54,7 +55,7 @@ def demo_run(user, api, spec=SMALL) -> int:
 
 def assert_counts_add_up(run: Run) -> None:
     """Every admitted group trained exactly once or dropped with a reason; versions 1..step."""
-    report = pipeline.accounting(run)
+    report = accounting(run)
     assert not report.problems, report.problems
     assert set(report.by_status) <= {"trained", "dropped"}, report.by_status
     assert report.by_status["trained"] == run.step * run.spec["pipeline"]["batch_prompts"]
@@ -91,8 +92,21 @@ def test_a_short_run_completes_and_the_counts_add_up(loop_workers, api, user):
     # every trained sample was at most max_staleness versions old when it was trained
     for t in trained:
         assert t.trained_step - 1 - t.version <= 1
+    # advantages were computed where the batch was assembled and stored with each sample; a sample the
+    # trainer learnt from says whether it was clipped (groups without signal have advantage 0, clipped None)
+    from workers.policy.losses import sample_advantages
+
+    for key in set(trained.values_list("group_key", flat=True)):
+        rows = list(trained.filter(group_key=key).order_by("sample_index"))
+        want = sample_advantages([None if t.verdict == "invalid" else t.reward for t in rows], "grpo")
+        assert [t.advantage for t in rows] == pytest.approx(want)
+        if not any(want):  # no learning signal: the trainer skipped the group, so nothing was clipped or not
+            assert all(t.clipped is None for t in rows)
+    learnt = trained.exclude(advantage=0.0).exclude(advantage__isnull=True)
+    assert learnt.exists() and not learnt.filter(clipped__isnull=True).exists()
     names = set(MetricPoint.objects.filter(run=run).values_list("name", flat=True))
-    assert {"loss", "reward", "heldout_reward", "tokens_per_s", "trajectories_per_s", "staleness_mean"} <= names
+    assert {"loss", "reward", "heldout_reward", "tokens_per_s", "trajectories_per_s", "staleness_mean", "kl_ref",
+            "groups_used", "iw_min"} <= names
     seqs = list(MetricPoint.objects.filter(run=run).order_by("seq").values_list("seq", flat=True))
     assert seqs == list(range(1, len(seqs) + 1))
     kinds = list(run.events.values_list("kind", flat=True))
@@ -183,7 +197,7 @@ def test_cancel_revokes_queued_work(start_worker, api, user):
     while not PromptGroup.objects.filter(run_id=run_id, status="admitted").exists():
         assert time.monotonic() < deadline, "nothing was admitted"
         time.sleep(0.1)
-    queued = pipeline.queued_task_ids(Run.objects.get(pk=run_id))
+    queued = tick.queued_ids(Run.objects.get(pk=run_id))
     assert queued and all(t.startswith("generate-") for t in queued)
     assert api.post(f"/api/v1/runs/{run_id}/cancel/", {}, format="json").json()["status"] == "cancelled"
     deadline = time.monotonic() + 30

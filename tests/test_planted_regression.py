@@ -22,7 +22,7 @@ import pytest
 from tests import factories
 from webapp.catalog.models import BaseModel
 from webapp.catalog.services import do_import_tasks
-from webapp.runs import pipeline
+from webapp.runs.loop import paths
 from webapp.runs.models import Evaluation, PolicyVersion
 from webapp.runs.services import DomainWeight, do_create_run
 
@@ -59,7 +59,7 @@ def test_version_trained_on_one_domain_regresses_the_other_and_is_refused(api, u
                         spec={"eval_tasks": 1000, "sampling": {"max_tokens": 6, "stop": ["\n"]}})
     v0 = PolicyVersion.objects.create(run=run, number=0)
     v1 = PolicyVersion.objects.create(run=run, number=1, step=report.steps, parent=v0)
-    target = pipeline.version_dir(run.pk, 1)
+    target = paths.version_dir(run.pk, 1)
     assert target is not None
     if target.exists():  # left by an earlier test run whose run had the same id
         shutil.rmtree(target)

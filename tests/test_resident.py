@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from tests.policy.conftest import DEMO_DIR, make_lora_version
-from workers.policy.engines import SamplingSpec
-from workers.tasks import resident
+from workers.policy import resident
+from workers.policy.engines import SamplingParams
 
 
 @pytest.fixture(autouse=True)
@@ -23,7 +23,7 @@ def _empty(monkeypatch: pytest.MonkeyPatch):
 
 
 def greedy(engine, prompts):
-    return [s.completion_token_ids for s in engine.generate(prompts, SamplingSpec(temperature=0.0, max_tokens=4))]
+    return [s.completion_token_ids for s in engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4))]
 
 
 def test_an_engine_switches_between_two_runs_versions_of_the_same_number(tmp_path: Path):

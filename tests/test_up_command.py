@@ -185,8 +185,8 @@ def test_ctrl_c_mid_run_and_up_again_resumes_at_once_and_loses_nothing(tmp_path:
         _ctrl_c(proc)
     # the books, read from the run's own database after both lives: nothing lost, nothing trained twice
     check = subprocess.run([sys.executable, "manage.py", "shell", "-c", (
-        "from webapp.runs import pipeline; from webapp.runs.models import Run; "
-        "a = pipeline.accounting(Run.objects.get(pk=1)); print('PROBLEMS', a.problems, a.by_status, a.steps)")],
+        "from webapp.runs.loop.accounting import accounting; from webapp.runs.models import Run; "
+        "a = accounting(Run.objects.get(pk=1)); print('PROBLEMS', a.problems, a.by_status, a.steps)")],
         cwd=ROOT, env=env, capture_output=True, text=True, check=True)
     line = next(ln for ln in check.stdout.splitlines() if ln.startswith("PROBLEMS"))
     assert line.startswith("PROBLEMS []"), line

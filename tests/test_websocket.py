@@ -9,9 +9,9 @@ from channels.routing import URLRouter
 from channels.testing import WebsocketCommunicator
 
 from tests import factories
+from webapp.runs.loop.live import emit
 from webapp.runs.metrics import Point
 from webapp.ui.routing import websocket_urlpatterns
-from workers.telemetry import emit
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.asyncio]
 

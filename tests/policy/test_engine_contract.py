@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from workers.policy.demo_model import demo_tasks
-from workers.policy.engines import Engine, Sample, SamplingSpec, load_engine
+from workers.policy.engines import Engine, Sample, SamplingParams, load_engine
 
 PROMPTS = [r["prompt"] for r in demo_tasks("addition", 6, seed=5, split="heldout")] + ["37*6="]
-GREEDY = SamplingSpec(n=1, temperature=0.0, max_tokens=6)
+GREEDY = SamplingParams(n=1, temperature=0.0, max_tokens=6)
 
 ENGINE_PARAMS = ["torch", pytest.param("vllm", marks=[pytest.mark.vllm, pytest.mark.slow])]
 # The vllm engine runs float32 on CPU too, but its kernels sum in a different order.
@@ -69,7 +69,7 @@ def _recompute_logprobs(model: Any, sample: Sample) -> list[float]:
 
 def test_result_shape(engine: Engine) -> None:
     engine.set_version(None)
-    out = engine.generate(PROMPTS[:3], SamplingSpec(n=4, temperature=1.0, max_tokens=5, seed=1))
+    out = engine.generate(PROMPTS[:3], SamplingParams(n=4, temperature=1.0, max_tokens=5, seed=1))
     assert len(out) == 12
     assert [s.prompt for s in out] == [p for p in PROMPTS[:3] for _ in range(4)]
     for s in out:
@@ -105,7 +105,7 @@ def test_greedy_equals_transformers_generate(engine: Engine, demo_dir: Path) -> 
 
 def test_logprobs_match_forward_recompute(engine: Engine, demo_dir: Path) -> None:
     engine.set_version(None)
-    out = engine.generate(PROMPTS, SamplingSpec(n=3, temperature=1.0, max_tokens=6, seed=7))
+    out = engine.generate(PROMPTS, SamplingParams(n=3, temperature=1.0, max_tokens=6, seed=7))
     model = _hf_model(demo_dir)
     atol = LOGPROB_ATOL[_name(engine)]
     for s in out:
@@ -114,8 +114,8 @@ def test_logprobs_match_forward_recompute(engine: Engine, demo_dir: Path) -> Non
 
 def test_seeded_sampling_is_reproducible(engine: Engine) -> None:
     engine.set_version(None)
-    spec = SamplingSpec(n=4, temperature=1.0, max_tokens=6, seed=11)
-    other = SamplingSpec(n=4, temperature=1.0, max_tokens=6, seed=12)
+    spec = SamplingParams(n=4, temperature=1.0, max_tokens=6, seed=11)
+    other = SamplingParams(n=4, temperature=1.0, max_tokens=6, seed=12)
     a = [s.completion_token_ids for s in engine.generate(PROMPTS, spec)]
     b = [s.completion_token_ids for s in engine.generate(PROMPTS, spec)]
     c = [s.completion_token_ids for s in engine.generate(PROMPTS, other)]
@@ -128,11 +128,11 @@ def test_stop_strings_and_max_tokens(engine: Engine) -> None:
     greedy = engine.generate(PROMPTS, GREEDY)
     target = next(s for s in greedy if len(s.text) >= 2)
     stop = target.text[1]
-    cut = engine.generate([target.prompt], SamplingSpec(temperature=0.0, max_tokens=6, stop=(stop,)))[0]
+    cut = engine.generate([target.prompt], SamplingParams(temperature=0.0, max_tokens=6, stop=(stop,)))[0]
     assert cut.finish_reason == "stop"
     assert cut.text == target.text[: target.text.index(stop)]
     assert cut.completion_token_ids == target.completion_token_ids[: len(cut.completion_token_ids)]
-    one = engine.generate(PROMPTS, SamplingSpec(temperature=0.0, max_tokens=1))
+    one = engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=1))
     for s, full in zip(one, greedy, strict=True):
         assert s.completion_token_ids == full.completion_token_ids[:1]
         stopped_at_once = full.finish_reason == "stop" and len(full.completion_token_ids) == 1

@@ -47,7 +47,7 @@ def test_table_names_and_errors(demo_dir: object) -> None:
 def test_chat_template_is_applied_when_the_tokenizer_has_one(demo_dir: Path, tmp_path: Path) -> None:
     from transformers import AutoTokenizer
 
-    from workers.policy.engines import SamplingSpec, encode_prompts
+    from workers.policy.engines import SamplingParams, encode_prompts
     from workers.policy.torch_engine import TorchEngine
 
     chat_dir = tmp_path / "chat"
@@ -60,7 +60,7 @@ def test_chat_template_is_applied_when_the_tokenizer_has_one(demo_dir: Path, tmp
     cfg_path.write_text(json.dumps(cfg))
     tok = AutoTokenizer.from_pretrained(chat_dir)
     assert encode_prompts(tok, ["1+2="]) == [tok.encode("Q:1+2=A:", add_special_tokens=False)]
-    sample = TorchEngine(chat_dir).generate(["1+2="], SamplingSpec(temperature=0.0, max_tokens=2))[0]
+    sample = TorchEngine(chat_dir).generate(["1+2="], SamplingParams(temperature=0.0, max_tokens=2))[0]
     assert sample.prompt == "1+2=" and sample.prompt_token_ids == tok.encode(
         "Q:1+2=A:", add_special_tokens=False
     )

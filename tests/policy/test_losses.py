@@ -155,3 +155,13 @@ def test_aggregations_match_reference() -> None:
         seq_means.append(sum(values[i, j].item() for j in range(6) if mask[i, j]) / max(k, 1))
     assert losses.sequence_mean(values, mask).item() == pytest.approx(sum(seq_means) / 4, abs=1e-6)
     assert losses.token_mean(values, torch.zeros_like(mask)).item() == 0.0
+
+
+def test_sample_advantages_match_the_group_estimator_and_skip_invalid() -> None:
+    rewards = [1.0, None, 0.0, 1.0, 0.0]
+    out = losses.sample_advantages(rewards, "grpo")
+    expected = losses.group_advantages(torch.tensor([[1.0, 0.0, 1.0, 0.0]]), "grpo")[0].tolist()
+    assert out[1] is None
+    assert [out[i] for i in (0, 2, 3, 4)] == pytest.approx(expected)
+    assert losses.sample_advantages([1.0, 1.0, None], "grpo") == [0.0, 0.0, None]  # no signal: all zero
+    assert losses.sample_advantages([None, 0.5], "rloo") == [None, 0.0]  # one valid reward: no baseline

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from workers.policy.demo_model import demo_tasks
-from workers.policy.engines import Sample, SamplingSpec
+from workers.policy.engines import Sample, SamplingParams
 from workers.policy.torch_engine import TorchEngine
 from workers.policy.trainer import Group, Trainer, TrainerConfig
 
@@ -17,7 +17,7 @@ from workers.policy.trainer import Group, Trainer, TrainerConfig
 def _groups(demo_dir: Path, n_prompts: int = 4, g: int = 4, seed: int = 0) -> list[Group]:
     engine = TorchEngine(demo_dir, seed=seed)
     prompts = [r["prompt"] for r in demo_tasks("addition", n_prompts, seed=seed)]
-    samples = engine.generate(prompts, SamplingSpec(n=g, temperature=1.0, max_tokens=5))
+    samples = engine.generate(prompts, SamplingParams(n=g, temperature=1.0, max_tokens=5))
     # Alternating rewards guarantee variance in every group, so every group trains.
     return [
         Group(samples=samples[i * g : (i + 1) * g], rewards=[float(j % 2) for j in range(g)])
@@ -139,7 +139,7 @@ def test_saved_version_is_served_by_engine(demo_dir: Path, tmp_path: Path) -> No
     assert (meta.version, meta.parent, meta.step, meta.kind) == (1, 0, 1, "lora")
     engine = TorchEngine(demo_dir)
     engine.set_version(tmp_path / "v1")
-    out = engine.generate(["12+34="], SamplingSpec(temperature=0.0, max_tokens=4))
+    out = engine.generate(["12+34="], SamplingParams(temperature=0.0, max_tokens=4))
     assert out[0].version == 1
     # The trainer's model and the engine agree on the next-token distribution.
     ids = torch.tensor([out[0].prompt_token_ids])
@@ -153,3 +153,49 @@ def test_saved_version_is_served_by_engine(demo_dir: Path, tmp_path: Path) -> No
     with torch.no_grad():
         c = resumed.model.eval()(input_ids=ids).logits
     torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-5)
+
+
+def test_advantages_from_the_batch_side_are_what_the_trainer_uses(demo_dir: Path) -> None:
+    """Advantages computed where the batch is assembled drive the step exactly as if the trainer had
+    computed them: same estimator, same update; and the trainer does not second-guess them."""
+    from workers.policy.losses import sample_advantages
+
+    groups = _groups(demo_dir)
+    given = [Group(g.samples, g.rewards, sample_advantages(list(g.rewards), "grpo")) for g in groups]
+    a = Trainer(demo_dir, TrainerConfig(lr=1e-2, num_minibatches=1, seed=3))
+    b = Trainer(demo_dir, TrainerConfig(lr=1e-2, num_minibatches=1, seed=3))
+    a.train_step(groups)
+    b.train_step(given)
+    for (name, pa), (_, pb) in zip(a.model.named_parameters(), b.model.named_parameters(), strict=True):
+        assert torch.allclose(pa, pb, atol=1e-7), name
+    # advantages the batch side chose (here: the opposite sign) are the ones trained on
+    flipped = [Group(g.samples, g.rewards, [-x for x in sample_advantages(list(g.rewards))]) for g in groups]
+    c = Trainer(demo_dir, TrainerConfig(lr=1e-2, num_minibatches=1, seed=3))
+    c.train_step(flipped)
+    assert any(not torch.allclose(pa, pc) for pa, pc in zip(a.model.parameters(), c.model.parameters(), strict=True))
+
+
+def test_loss_aggregation_is_chosen_by_name(demo_dir: Path) -> None:
+    """token_mean weighs every token alike; sequence_mean every sequence alike: on sequences of different
+    lengths the two updates differ, and each one trains."""
+    groups = _groups(demo_dir)
+    lengths = {len(s.completion_token_ids) for g in groups for s in g.samples}
+    assert len(lengths) > 1, "the samples need different lengths for the aggregations to differ"
+    params = {}
+    for how in ("token_mean", "sequence_mean"):
+        trainer = Trainer(demo_dir, TrainerConfig(lr=1e-2, num_minibatches=1, seed=3, loss_aggregation=how))
+        metrics = trainer.train_step(groups)
+        assert metrics.updated
+        params[how] = [p.detach().clone() for p in trainer.model.parameters() if p.requires_grad]
+    assert any(not torch.allclose(x, y) for x, y in zip(params["token_mean"], params["sequence_mean"], strict=True))
+
+
+def test_the_trainer_says_which_samples_were_clipped(demo_dir: Path) -> None:
+    """A sample is clipped when any of its tokens hit the PPO clip: the later minibatches of a step see a
+    policy already moved by the earlier ones (the first minibatch's ratio is exactly 1: never clipped)."""
+    groups = _groups(demo_dir, n_prompts=8)
+    trainer = Trainer(demo_dir, TrainerConfig(lr=5e-2, num_minibatches=4, clip_low=0.01, clip_high=0.01))
+    metrics = trainer.train_step(groups)
+    assert metrics.clip_fraction > 0 and metrics.clipped_samples
+    keys = {(gi, si) for gi, g in enumerate(groups) for si in range(len(g.samples))}
+    assert set(metrics.clipped_samples) <= keys and len(set(metrics.clipped_samples)) < len(keys)

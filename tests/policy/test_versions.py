@@ -10,7 +10,7 @@ import torch
 
 from tests.policy.conftest import make_full_version
 from workers.policy import versions
-from workers.policy.engines import SamplingSpec
+from workers.policy.engines import SamplingParams
 from workers.policy.torch_engine import TorchEngine
 
 
@@ -93,7 +93,7 @@ def test_torch_engine_switches_full_and_lora_versions_in_place(
     demo_dir: Path, lora_versions: tuple[Path, Path], full_version: Path, tmp_path: Path
 ) -> None:
     prompts = ["12+34=", "55+45=", "37*6="]
-    greedy = SamplingSpec(temperature=0.0, max_tokens=5)
+    greedy = SamplingParams(temperature=0.0, max_tokens=5)
 
     def run(engine: TorchEngine) -> list[tuple[list[int], list[float]]]:
         return [(s.completion_token_ids, s.logprobs) for s in engine.generate(prompts, greedy)]

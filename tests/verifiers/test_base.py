@@ -95,7 +95,7 @@ def test_pure_package_imports_no_django_celery_or_sandbox_at_import_time() -> No
     code = (
         "import sys, workers.verifiers.base, workers.verifiers.text, workers.verifiers.json_match, "
         "workers.verifiers.calibration, workers.verifiers.batch, workers.verifiers.llm_judge, "
-        "workers.verifiers.sandboxed, workers.verifiers.mathexpr, workers.verifiers.humaneval\n"
+        "workers.verifiers.python_tests, workers.verifiers.command, workers.verifiers.mathexpr, workers.verifiers.humaneval\n"
         "bad = [m for m in sys.modules if m.split('.')[0] in ('django', 'celery', 'torch', 'sandboxes', "
         "'math_verify', 'sympy')]\n"
         "print(bad)\nassert not bad, bad"

@@ -16,7 +16,9 @@ import pytest
 
 from workers.verifiers.base import JudgeInput, Verdict, build_verifier
 from workers.verifiers.calibration import builtin_hack_cases
-from workers.verifiers.sandboxed import PythonTestsVerifier, build_epilogue, extract_code, prepare_solution
+from workers.verifiers.epilogue import build_epilogue
+from workers.verifiers.python_tests import PythonTestsVerifier
+from workers.verifiers.sandbox_call import extract_code, prepare_solution
 
 pytest.importorskip("sandboxes.pool")
 
@@ -76,11 +78,11 @@ def test_spliced_epilogue_is_the_rewritten_one(tests: str) -> None:
     """The fast path (checks spliced into the test text) compiles to what the AST rewriter produces."""
     import ast
 
-    from workers.verifiers import sandboxed
+    from workers.verifiers import epilogue
 
     ep = build_epilogue(tests, entry_point="f", strict_values=True)
     tree = ast.parse(tests)
-    rewriter = sandboxed._TestRewriter(sandboxed._PREFIX, frozenset(sandboxed._BUILTIN_NAMES | {"check"}
+    rewriter = epilogue._TestRewriter(epilogue._PREFIX, frozenset(epilogue._BUILTIN_NAMES | {"check"}
                                                                     | {"math", "random"}), frozenset({"math", "random"}))
     expected = [ast.dump(rewriter.visit(n)) for n in tree.body]
     body = ast.parse(ep.body).body[1:]  # after the pre-check
@@ -91,18 +93,18 @@ def test_spliced_epilogue_is_the_rewritten_one(tests: str) -> None:
 def test_spliced_epilogues_of_humaneval_are_the_rewritten_ones() -> None:
     import ast
 
-    from workers.verifiers import sandboxed
+    from workers.verifiers import epilogue
     from workers.verifiers.humaneval import humaneval_rows
 
     for row in humaneval_rows(164, variants=("canonical",)):
         tests, entry = row["reference"]["tests"], row["reference"]["entry_point"]
         spliced = build_epilogue(tests, entry_point=entry, strict_values=True)
-        sandboxed._build_epilogue.cache_clear()
+        epilogue._build_epilogue.cache_clear()
         tree = ast.parse(tests)
         defined = {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
         imported = {(a.asname or a.name).split(".")[0] for n in ast.walk(tree)
                     if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
-        rewriter = sandboxed._TestRewriter(sandboxed._PREFIX, frozenset(sandboxed._BUILTIN_NAMES | defined | imported),
+        rewriter = epilogue._TestRewriter(epilogue._PREFIX, frozenset(epilogue._BUILTIN_NAMES | defined | imported),
                                            frozenset(imported))
         expected = [ast.dump(rewriter.visit(n)) for n in tree.body]
         got = [ast.dump(n) for n in ast.parse(spliced.body).body[1 : 1 + len(expected)]]  # after the pre-check

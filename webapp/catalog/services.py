@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from functools import partial
 from typing import Any, cast
 
 from django.contrib.auth.models import AbstractBaseUser, AnonymousUser
@@ -12,6 +13,7 @@ from django.utils import timezone
 from webapp.catalog.models import CalibrationReport, CalibrationStatus, TaskDomain, Verifier
 from webapp.catalog.task_import import ImportFailed, ImportResult, import_tasks
 from webapp.common.errors import InvalidTransition
+from workers import messages
 
 log = logging.getLogger(__name__)
 
@@ -72,12 +74,7 @@ def do_request_calibration(verifier: Verifier, actor: AbstractBaseUser | Anonymo
         report = CalibrationReport.objects.create(verifier=verifier)
         Verifier.objects.filter(pk=verifier.pk).update(calibration_status=CalibrationStatus.RUNNING)
 
-        def enqueue() -> None:
-            from workers.tasks.verify import calibrate_verifier
-
-            calibrate_verifier.delay(report.pk)
-
-        transaction.on_commit(enqueue)
+        transaction.on_commit(partial(messages.calibrate_verifier, report.pk))
     return report
 
 

@@ -28,7 +28,7 @@ MAX_LISTED_ERRORS = 1000
 
 
 @dataclass
-class RowError:
+class ImportRowError:
     line: int
     field: str
     reason: str
@@ -42,7 +42,7 @@ class ImportResult:
     imported: int = 0
     heldout: int = 0
     rows: int = 0
-    errors: list[RowError] = field(default_factory=list)
+    errors: list[ImportRowError] = field(default_factory=list)
     error_count: int = 0
 
     def to_dict(self) -> dict[str, Any]:
@@ -85,17 +85,17 @@ def _is_heldout(key: str, fraction: float) -> bool:
     return int.from_bytes(digest, "big") / 2**64 < fraction
 
 
-def _parse(line_no: int, text: str, kind: str) -> tuple[ParsedRow | None, list[RowError]]:
+def _parse(line_no: int, text: str, kind: str) -> tuple[ParsedRow | None, list[ImportRowError]]:
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
-        return None, [RowError(line_no, "(line)", f"not valid JSON: {exc.msg} at column {exc.colno}")]
+        return None, [ImportRowError(line_no, "(line)", f"not valid JSON: {exc.msg} at column {exc.colno}")]
     if not isinstance(data, dict):
-        return None, [RowError(line_no, "(line)", f"expected a JSON object, got {type(data).__name__}")]
+        return None, [ImportRowError(line_no, "(line)", f"expected a JSON object, got {type(data).__name__}")]
     try:
         return parse_row(kind, data), []
     except ShapeError as exc:
-        return None, [RowError(line_no, f or "(row)", r) for f, r in exc.problems]
+        return None, [ImportRowError(line_no, f or "(row)", r) for f, r in exc.problems]
 
 
 def import_tasks(
@@ -116,7 +116,7 @@ def import_tasks(
     seen_ids: dict[str, int] = {}
     batch: list[Task] = []
 
-    def error(err: RowError) -> None:
+    def error(err: ImportRowError) -> None:
         result.error_count += 1
         if len(result.errors) < MAX_LISTED_ERRORS:
             result.errors.append(err)
@@ -130,7 +130,7 @@ def import_tasks(
         for line_no, text in _lines(source):
             if text is None:
                 result.rows += 1
-                error(RowError(line_no, "(line)", "not UTF-8 text"))
+                error(ImportRowError(line_no, "(line)", "not UTF-8 text"))
                 continue
             if not text.strip():
                 continue
@@ -143,10 +143,10 @@ def import_tasks(
             external_id = None if row.id is None else str(row.id)
             if external_id is not None:
                 if external_id in existing_ids:
-                    error(RowError(line_no, "id", f"a task with id {external_id!r} already exists in this domain"))
+                    error(ImportRowError(line_no, "id", f"a task with id {external_id!r} already exists in this domain"))
                     continue
                 if external_id in seen_ids:
-                    error(RowError(line_no, "id", f"duplicate id {external_id!r} (first on line {seen_ids[external_id]})"))
+                    error(ImportRowError(line_no, "id", f"duplicate id {external_id!r} (first on line {seen_ids[external_id]})"))
                     continue
                 seen_ids[external_id] = line_no
             split = row.split or (
@@ -167,7 +167,7 @@ def import_tasks(
                     progress(line_no)
         flush()
         if result.rows == 0:
-            error(RowError(0, "(file)", "the file holds no rows"))
+            error(ImportRowError(0, "(file)", "the file holds no rows"))
         if result.error_count:
             result.heldout = 0
             raise ImportFailed(result)  # leaving the atomic block by an exception rolls back every batch

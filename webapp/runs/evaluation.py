@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from typing import Any
 
 from django.db.models import QuerySet
@@ -25,6 +26,7 @@ from pydantic import ConfigDict, Field, ValidationError
 
 from webapp.common.errors import ValidationFailed
 from webapp.runs.models import Alias, Evaluation, PolicyVersion
+from workers import messages
 
 Z95 = 1.959964
 
@@ -208,12 +210,7 @@ def do_request_evaluation(version: PolicyVersion, *, samples: int = 1, actor: An
                      f"evaluation of v{version.number} requested ({'greedy' if samples == 1 else f'pass@{samples}'})",
                      actor=actor, data={"version": version.number, "samples": samples})
 
-        def enqueue() -> None:
-            from workers.tasks.rollout import evaluate
-
-            evaluate.apply_async(args=[version.run_id, version.number], queue="rollout")
-
-        transaction.on_commit(enqueue)
+        transaction.on_commit(partial(messages.evaluate, version.run_id, version.number))
     return {"version": version.number, "samples": samples, "domains": len(domains), "status": "pending"}
 
 

@@ -2,12 +2,14 @@
 manifest (base model, run, step, parent, evaluation results) and served for download.
 
 The web process only asks for an export and serves the finished file; the merging itself needs torch and
-runs on the ``train`` queue (``workers.tasks.export.export_version``). Status lives on the version, in
+runs on the ``train`` queue (``build_export``, called by ``workers.tasks.export.export_version``). Status lives on the version, in
 ``metadata["exports"][format]``: ``queued`` → ``done`` (path, size, sha256) or ``error`` (the reason).
 """
 
 from __future__ import annotations
 
+import json
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +19,7 @@ from django.utils import timezone
 
 from webapp.common.errors import InvalidTransition, ValidationFailed
 from webapp.runs.models import Evaluation, PolicyVersion
+from workers import messages
 
 FORMATS = ("adapter", "merged")
 
@@ -69,12 +72,7 @@ def do_request_export(version: PolicyVersion, fmt: str) -> dict[str, Any]:
     status = {"status": "queued", "requested_at": timezone.now().isoformat()}
     _set_status(version.pk, fmt, status)
 
-    def enqueue() -> None:
-        from workers.tasks.export import export_version
-
-        export_version.apply_async(args=[version.pk, fmt], queue="train")
-
-    transaction.on_commit(enqueue)
+    transaction.on_commit(partial(messages.export_version, version.pk, fmt))
     return status
 
 
@@ -85,3 +83,51 @@ def record_export(version_id: int, fmt: str, *, path: Path | None = None, size: 
     else:
         _set_status(version_id, fmt, {"status": "done", "path": str(path), "size": size, "sha256": sha256,
                                       "finished_at": timezone.now().isoformat()})
+
+
+def build_export(version_id: int, fmt: str) -> str:
+    """Build a version's export zip (on the worker that has torch): written under a temporary name and
+    renamed, so a download never sees half a file; a failure is recorded on the version with its reason."""
+    import hashlib
+    import shutil
+    import tempfile
+    import zipfile
+
+    from webapp.runs.loop import paths
+
+    version = PolicyVersion.objects.select_related("run__base_model", "parent").filter(pk=version_id).first()
+    if version is None:
+        return "gone"
+    try:
+        out = export_path(version, fmt)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        base_dir = paths.resolve_model_path(version.run.base_model)
+        vdir = paths.version_dir(version.run_id, version.number)
+        with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+            stage = Path(tmp) / "model"
+            if fmt == "adapter":
+                if vdir is None or not (vdir / "adapter_config.json").exists():
+                    raise ValueError(f"v{version.number} holds full weights, not a LoRA adapter: export it merged")
+                shutil.copytree(vdir, stage)
+            elif vdir is None:  # version 0: the base model itself
+                shutil.copytree(base_dir, stage)
+            else:
+                from workers.policy.versions import export_merged
+
+                export_merged(vdir, stage, base_dir)
+            (stage / "temper_manifest.json").write_text(json.dumps(manifest(version, fmt), indent=2, default=str))
+            partial = out.with_suffix(".partial")
+            with zipfile.ZipFile(partial, "w", compression=zipfile.ZIP_DEFLATED) as archive:
+                for path in sorted(stage.rglob("*")):
+                    if path.is_file():
+                        archive.write(path, Path(f"run{version.run_id}-v{version.number}-{fmt}") / path.relative_to(stage))
+            digest = hashlib.sha256()
+            with partial.open("rb") as f:
+                for chunk in iter(lambda: f.read(1 << 20), b""):
+                    digest.update(chunk)
+            partial.rename(out)
+        record_export(version_id, fmt, path=out, size=out.stat().st_size, sha256=digest.hexdigest())
+        return str(out)
+    except Exception as exc:  # recorded on the version, shown on its page
+        record_export(version_id, fmt, error=f"{type(exc).__name__}: {exc}")
+        return f"error: {exc}"

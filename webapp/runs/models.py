@@ -69,10 +69,6 @@ class Run(OwnedModel):
     def __str__(self) -> str:
         return f"#{self.pk} {self.name}"
 
-    @property
-    def is_terminal(self) -> bool:
-        return self.status in TERMINAL_STATUSES
-
 
 class RunDomain(models.Model):
     """A domain in a run, with its sampling weight and priority."""
@@ -241,7 +237,7 @@ class WorkerHeartbeat(models.Model):
         return [q for q in self.queues.split(",") if q]
 
 
-class Verdict(models.TextChoices):
+class VerdictChoice(models.TextChoices):
     PENDING = "pending"
     PASS = "pass"
     FAIL = "fail"
@@ -264,7 +260,7 @@ class Trajectory(models.Model):
     completion_token_ids: models.JSONField[Any, Any] = models.JSONField(default=list, blank=True)
     behaviour_logprobs: models.JSONField[Any, Any] = models.JSONField(default=list, blank=True)
     finish_reason = models.CharField(max_length=16, blank=True)
-    verdict = models.CharField(max_length=8, choices=Verdict.choices, default=Verdict.PENDING)
+    verdict = models.CharField(max_length=8, choices=VerdictChoice.choices, default=VerdictChoice.PENDING)
     reward = models.FloatField(null=True, blank=True)
     verdict_reason = models.TextField(blank=True)
     verifier_details = models.JSONField(default=dict, blank=True)

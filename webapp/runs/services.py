@@ -20,6 +20,7 @@ from pydantic import ValidationError
 
 from webapp.catalog.models import BaseModel, TaskDomain
 from webapp.common.errors import InvalidTransition, ValidationFailed
+from webapp.runs.loop import live
 from webapp.runs.models import (
     ACTIVE_STATUSES,
     Alias,
@@ -30,6 +31,7 @@ from webapp.runs.models import (
     RunEvent,
     RunStatus,
 )
+from workers import messages
 from workers.pipeline.spec import RunSpec, validation_messages
 
 log = logging.getLogger(__name__)
@@ -85,17 +87,13 @@ def record_event(
 
 
 def _broadcast_event(run_id: int, event: RunEvent) -> None:
-    from workers.telemetry import broadcast, event_payload
-
-    broadcast(run_id, event_payload(event))
+    live.send(run_id, live.event_payload(event))
 
 
 def _broadcast_run(run_id: int) -> None:
-    from workers.telemetry import broadcast, run_payload
-
     run = Run.objects.filter(pk=run_id).first()
     if run is not None:
-        broadcast(run_id, run_payload(run))
+        live.send(run_id, live.run_payload(run))
 
 
 def do_create_run(
@@ -156,12 +154,7 @@ def _transition(run: Run, action: str, *, actor: User = None, reason: str = "", 
 
 
 def _enqueue_advance(run: Run) -> None:
-    def send() -> None:
-        from workers.tasks.control import advance_run
-
-        advance_run.delay(run.pk)
-
-    transaction.on_commit(send)
+    transaction.on_commit(partial(messages.advance_run, run.pk))
 
 
 def uncalibrated_domains(run: Run) -> list[str]:

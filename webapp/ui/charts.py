@@ -27,8 +27,9 @@ CHARTS: list[dict[str, Any]] = [
     {"id": "gpu_busy", "title": "GPU-busy fraction", "names": ["gpu_busy"], "y": "fraction", "range": [0, 1.05]},
     {"id": "staleness", "title": "Staleness: mean, max, and samples per lag (versions behind)",
      "names": ["staleness_mean", "staleness_max"], "prefixes": ["staleness_lag_"], "y": "versions / samples"},
-    {"id": "trainer", "title": "Trainer: loss, KL, entropy, clip fraction, gradient norm",
-     "names": ["loss", "kl", "entropy", "clip_fraction", "grad_norm"], "y": "value"},
+    {"id": "trainer", "title": "Trainer: loss, KL to the behaviour policy and to the base, entropy, clip fraction, "
+                               "gradient norm",
+     "names": ["loss", "kl", "kl_ref", "entropy", "clip_fraction", "grad_norm"], "y": "value"},
     {"id": "quality", "title": "Invalid, zero-variance and truncated shares",
      "names": ["invalid_rate", "zero_variance_share", "truncation_rate", "nonfinite"], "y": "share",
      "range": [0, 1.05]},

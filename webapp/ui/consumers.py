@@ -1,6 +1,6 @@
 """The run page's websocket: joins group ``run.<id>`` and forwards metric batches with sequence numbers.
 
-Only the run's owner (or staff) may connect. Messages are typed dicts sent by ``workers.telemetry``
+Only the run's owner (or staff) may connect. Messages are the typed payloads of ``webapp.runs.loop.live``
 through the channel layer; channels_redis may drop messages, so every batch carries sequence numbers
 and the page backfills gaps over ``/api/v1/metrics/?since_seq=``.
 """

@@ -33,7 +33,7 @@ from webapp.runs.models import (
     Run,
     RunStatus,
     Trajectory,
-    Verdict,
+    VerdictChoice,
     WorkerHeartbeat,
 )
 from webapp.ui.charts import CHARTS, COMPARE_METRICS, sparkline_svg
@@ -241,7 +241,7 @@ def trajectories(request: HttpRequest, run_id: int) -> HttpResponse:
     f = request.GET
     if (domain := f.get("domain", "")).isdigit():
         qs = qs.filter(domain_id=int(domain))
-    if (verdict := f.get("verdict", "")) in Verdict.values:
+    if (verdict := f.get("verdict", "")) in VerdictChoice.values:
         qs = qs.filter(verdict=verdict)
     if (version := f.get("version", "")).isdigit():
         qs = qs.filter(version=int(version))
@@ -261,7 +261,7 @@ def trajectories(request: HttpRequest, run_id: int) -> HttpResponse:
     return render(request, "ui/trajectories.html", {
         "run": run, "rows": rows, "more": more, "next_before": rows[-1].pk if rows else None,
         "filters": f, "base_query": query.urlencode(),
-        "domains": list(run.run_domains.select_related("domain")), "verdicts": Verdict.values,
+        "domains": list(run.run_domains.select_related("domain")), "verdicts": VerdictChoice.values,
     })
 
 

@@ -1,6 +1,11 @@
-"""The pure scheduler: from a snapshot of a run's pipeline, decide what to start next.
+"""The pure scheduler: from a snapshot of one run's loop, every decision of a tick.
 
-Admission bounds off-policyness the way AReaL does: new prompts start only while
+``decide(snapshot, limits)`` returns a ``Tick``: what to complete, pause, drop (with the reason), hand out
+again (with the reason), which train step to claim or re-send, and what to admit. The Django half
+(``webapp.runs.loop.tick``) builds the snapshot from rows under the run's lock and applies the tick; nothing
+else decides. Pure: plain dataclasses in, plain dataclasses out; no Django, no Celery, no torch.
+
+**Admission** bounds off-policyness the way AReaL does: new prompts start only while
 
     (max_staleness + v + 1) * B - (accepted + running) > 0
 
@@ -8,24 +13,36 @@ where ``v`` is the newest policy version, ``B`` the train batch in prompt groups
 already verified (ready, training or trained) and ``running`` those still being generated or verified.
 So no sample can ever be more than ``max_staleness`` versions old when it is trained, and nothing is
 generated only to be thrown away. ``max_staleness = 0`` is the synchronous mode: generate a batch,
-verify it, train on it, and only then generate the next.
+verify it, train on it, and only then generate the next. Retries come first: a prompt whose group got an
+invalid verdict is admitted again ahead of new prompts. New prompts are spread across domains by weight
+(largest deficit first, higher priority first). Backpressure: at most ``max_in_flight`` groups are in
+flight. Generation is handed out in whole chunks of ``rollout_batch`` while the GPU worker has other work
+queued, so it runs a few large batches rather than many small ones; a partial chunk goes out only when the
+device would otherwise idle.
 
-Retries come first: a prompt whose group got an invalid verdict (the verifier could not judge, which is
-never scored 0) is admitted again ahead of new prompts, at most ``invalid_retries`` times. New prompts are
-spread across domains by weight (largest deficit first, higher priority first), so hundreds of domains
-share the budget in proportion. Backpressure: at most ``max_in_flight`` groups are in flight, so a slow
-verifier or trainer holds generation back instead of growing queues without bound. Generation is handed
-out in whole chunks of ``rollout_batch`` while the GPU worker has other work queued (prompts waiting for
-a rollout task, or a train step), so it runs a few large batches rather than many small ones (each task
-has a fixed cost); a partial chunk goes out only when the device would otherwise idle.
+**Several runs on shared workers** (``Share``): each run has a share (``RunSpec.share``). A run whose
+device time per unit of share is ahead of another active run's, while that run has generation queued and
+waiting, admits nothing new this tick (its training goes on): the device goes to the run behind, so runs
+progress in the ratio of their shares. It is work-conserving: a run is held back only for a run that has
+work waiting for the device.
 
-Pure: plain dataclasses in, plain dataclasses out; no Django, no Celery, no torch.
+**Recovery** (only on the periodic tick, ``snapshot.recovering``): work in flight is handed out again when
+its holder is known gone, when the broker lost its queued messages, or after ``stall_s`` without progress;
+a group is dropped after ``max_attempts``. A train claim is re-sent for the same reasons.
+
+**Staleness**: ready groups generated more than ``max_staleness`` versions before the newest are dropped
+before anything is counted (a group too stale to train must not count towards a batch).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+
+IN_FLIGHT = ("admitted", "generating", "verifying")
+"""Groups admitted but not yet verified: the stages whose work a lost message can strand."""
+WAITING = ("admitted", "generating")
+"""Groups whose generation is queued or under way (a rollout task has them or is still to come)."""
 
 
 @dataclass(frozen=True)
@@ -42,7 +59,74 @@ class DomainShare:
 
 
 @dataclass(frozen=True)
+class PipelineLimits:
+    batch_groups: int
+    """B: complete groups per train step."""
+    max_staleness: int
+    rollout_batch: int
+    """Most groups handed to one generation task."""
+    max_in_flight: int
+    """Backpressure: most groups admitted but not yet verified."""
+    max_steps: int
+    admit_ahead: bool = False
+    """Count a claimed train step as done when computing the staleness room (async mode): the next prompts
+    are admitted while it trains, and reach the device after it, under the version it produces."""
+    stall_s: float = 90.0
+    """Hand out again work that made no progress for this long (a message lost some other way)."""
+    max_attempts: int = 3
+    """Drop a group, with the reason, after this many hand-outs."""
+
+
+@dataclass(frozen=True)
+class GroupFacts:
+    """A group not yet trained or dropped, as the recovery and staleness decisions need it."""
+
+    id: int
+    status: str
+    """admitted | generating | verifying | ready | training"""
+    attempt: int = 0
+    age_s: float = 0.0
+    """Seconds since its last progress."""
+    holder_gone: str | None = None
+    """Why the worker holding it is known gone (stopped, restarted, silent); None while it may still work."""
+    generated_version: int | None = None
+
+
+@dataclass(frozen=True)
+class Share:
+    """This run against the other active runs on the same workers."""
+
+    share: float = 1.0
+    device_s: float = 0.0
+    """Device seconds this run has used lately (decayed over about a minute)."""
+    others: Sequence[tuple[float, float, bool]] = ()
+    """Each other running run: (share, its recent device seconds, has generation waiting)."""
+
+
+@dataclass(frozen=True)
+class RunSnapshot:
+    status: str
+    """The run's status: queued, running, pausing, paused, completed, failed, cancelled."""
+    version: int
+    step: int
+    trained: int
+    """Groups trained so far."""
+    groups: Sequence[GroupFacts]
+    domains: Sequence[DomainShare]
+    train_claim: int | None = None
+    train_claim_age_s: float = 0.0
+    train_holder_gone: str | None = None
+    recovering: bool = False
+    """The periodic recovery tick: also look for stranded work."""
+    broker_reset: bool = False
+    """The broker lost its data since the last tick: every queued message is gone."""
+    share: Share = field(default_factory=Share)
+
+
+@dataclass(frozen=True)
 class PipelineState:
+    """The counts admission works on (derived from a snapshot)."""
+
     version: int
     step: int
     accepted: int
@@ -57,23 +141,10 @@ class PipelineState:
     """Groups admitted or being generated: a rollout task has them or is still to come (part of ``running``)."""
 
 
-@dataclass(frozen=True)
-class Limits:
-    batch_groups: int
-    """B: complete groups per train step."""
-    max_staleness: int
-    rollout_batch: int
-    """Most groups handed to one generation task."""
-    max_in_flight: int
-    """Backpressure: most groups admitted but not yet verified."""
-    max_steps: int
-    admit_ahead: bool = False
-    """Count a claimed train step as done when computing the staleness room (async mode): the next prompts
-    are admitted while it trains, and reach the device after it, under the version it produces."""
-
-
 @dataclass
 class Plan:
+    """The admission part of a tick."""
+
     admit: dict[int, int] = field(default_factory=dict)
     """domain id -> new prompts to admit now."""
     retry: dict[int, int] = field(default_factory=dict)
@@ -87,7 +158,41 @@ class Plan:
         return sum(self.admit.values()) + sum(self.retry.values())
 
 
-def admission_capacity(state: PipelineState, limits: Limits) -> int:
+@dataclass
+class Tick:
+    """Every decision of one tick, for the Django half to apply in order."""
+
+    drop: dict[str, list[int]] = field(default_factory=dict)
+    """reason -> groups to drop (too stale, stranded too often, unfinished in an ended run)."""
+    regenerate: list[int] = field(default_factory=list)
+    """Groups whose generation is handed out again (back to admitted, attempt + 1)."""
+    reverify: list[int] = field(default_factory=list)
+    """Groups whose judging is handed out again (attempt + 1)."""
+    why: dict[str, int] = field(default_factory=dict)
+    """Why work was handed out again: reason -> groups."""
+    resend_train: str | None = None
+    """Re-send the claimed train step, for this reason."""
+    claim_train: int | None = None
+    """Claim this train step."""
+    admit: dict[int, int] = field(default_factory=dict)
+    retry: dict[int, int] = field(default_factory=dict)
+    complete: str | None = None
+    """Complete the run, for this reason."""
+    mark_paused: bool = False
+    revoke: bool = False
+    """The run has ended: revoke its queued messages."""
+    deferred: bool = False
+    """Admission held back for another run on the same workers (fair share)."""
+
+    @property
+    def admit_total(self) -> int:
+        return sum(self.admit.values()) + sum(self.retry.values())
+
+
+# ---------------------------------------------------------------- admission arithmetic
+
+
+def admission_capacity(state: PipelineState, limits: PipelineLimits) -> int:
     """How many more groups may start under the staleness bound and the in-flight bound."""
     version = state.version + (1 if limits.admit_ahead and state.training else 0)
     staleness_room = (limits.max_staleness + version + 1) * limits.batch_groups - (state.accepted + state.running)
@@ -131,8 +236,8 @@ def take_retries(domains: Sequence[DomainShare], n: int) -> dict[int, int]:
     return out
 
 
-def plan(state: PipelineState, limits: Limits) -> Plan:
-    """What to start next. Idempotent given the same state: the caller applies it under the run's lock."""
+def plan(state: PipelineState, limits: PipelineLimits) -> Plan:
+    """The admission and train-claim part of a tick, from the counts alone."""
     result = Plan()
     if state.step >= limits.max_steps:
         result.complete = not state.training
@@ -149,3 +254,93 @@ def plan(state: PipelineState, limits: Limits) -> Plan:
     shares = [replace(d, admitted=d.admitted + result.retry.get(d.domain_id, 0)) for d in state.domains]
     result.admit = split_by_weight(shares, capacity - sum(result.retry.values()))
     return result
+
+
+def behind_another(share: Share) -> bool:
+    """True when another run with generation waiting has used less device time per unit of share."""
+    mine = share.device_s / max(share.share, 1e-9)
+    return any(waiting and seconds / max(other, 1e-9) < mine for other, seconds, waiting in share.others)
+
+
+# ---------------------------------------------------------------- the whole tick
+
+
+def _recover(snap: RunSnapshot, limits: PipelineLimits, tick: Tick) -> set[int]:
+    """Hand stranded work out again; returns the groups dropped for having been stranded too often."""
+    dropped: set[int] = set()
+    for g in snap.groups:
+        if g.status not in IN_FLIGHT:
+            continue
+        if snap.broker_reset:
+            why = "the broker lost its queued messages"
+        elif g.holder_gone is not None:
+            why = g.holder_gone
+        elif g.age_s >= limits.stall_s:
+            why = f"no progress for {limits.stall_s:.0f} s"
+        else:
+            continue
+        tick.why[why] = tick.why.get(why, 0) + 1
+        if g.attempt >= limits.max_attempts:
+            tick.drop.setdefault(f"stalled in {g.status} after {g.attempt} attempts ({why})", []).append(g.id)
+            dropped.add(g.id)
+        elif g.status in WAITING:
+            tick.regenerate.append(g.id)
+        else:
+            tick.reverify.append(g.id)
+    if snap.train_claim is not None:
+        if snap.broker_reset:
+            tick.resend_train = "the broker lost its queued messages"
+        elif snap.train_holder_gone is not None:
+            tick.resend_train = snap.train_holder_gone
+        elif snap.train_claim_age_s >= limits.stall_s:
+            tick.resend_train = f"no progress for {limits.stall_s:.0f} s"
+    return dropped
+
+
+def decide(snap: RunSnapshot, limits: PipelineLimits) -> Tick:
+    """Every decision of one tick of one run."""
+    tick = Tick()
+    if snap.status in ("cancelled", "failed", "completed"):
+        tick.revoke = True
+        unfinished = [g.id for g in snap.groups]
+        if unfinished:
+            tick.drop[f"run {snap.status} before it was trained"] = unfinished
+        return tick
+    dropped = _recover(snap, limits, tick) if snap.recovering else set()
+    if snap.status == "pausing":
+        in_flight = [g for g in snap.groups if g.id not in dropped and g.status in (*IN_FLIGHT, "training")]
+        tick.mark_paused = not in_flight and snap.train_claim is None
+        return tick
+    if snap.status != "running":
+        return tick
+    stale = [g.id for g in snap.groups if g.status == "ready" and g.generated_version is not None
+             and g.generated_version < snap.version - limits.max_staleness and g.id not in dropped]
+    if stale:
+        tick.drop[f"staler than {limits.max_staleness} version(s) at step {snap.step + 1}"] = stale
+    gone = dropped | set(stale)
+    live = [g for g in snap.groups if g.id not in gone]
+    by_status: dict[str, int] = {}
+    for g in live:
+        by_status[g.status] = by_status.get(g.status, 0) + 1
+    state = PipelineState(
+        version=snap.version, step=snap.step,
+        accepted=snap.trained + by_status.get("ready", 0) + by_status.get("training", 0),
+        running=sum(by_status.get(s, 0) for s in IN_FLIGHT), ready=by_status.get("ready", 0),
+        training=snap.train_claim is not None or by_status.get("training", 0) > 0, domains=snap.domains,
+        waiting=sum(by_status.get(s, 0) for s in WAITING))
+    result = plan(state, limits)
+    if result.complete:  # (never while a step trains)
+        tick.complete = f"reached max_steps={limits.max_steps}"
+        tick.regenerate, tick.reverify, tick.resend_train = [], [], None  # nothing is handed out any more
+        if live:
+            tick.drop.setdefault("run completed before it was trained", []).extend(g.id for g in live)
+        return tick
+    if result.train:
+        tick.claim_train = snap.step + 1
+    if result.admit_total and behind_another(snap.share):
+        # another run with generation waiting is behind its share: the device goes to it first (this run's
+        # queued work and its training go on; it only admits nothing new until it is no longer ahead)
+        tick.deferred = True
+        return tick
+    tick.admit, tick.retry = result.admit, result.retry
+    return tick

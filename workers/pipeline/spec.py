@@ -35,6 +35,9 @@ class AlgorithmSpec(BaseModel):
     clip_low: float = Field(0.2, ge=0.0, le=1.0, description="PPO clip below 1 (ratio >= 1 - clip_low)")
     clip_high: float = Field(0.28, ge=0.0, le=10.0, description="PPO clip above 1 (clip-higher when > clip_low)")
     kl_coef: float = Field(0.0, ge=0.0, description="k3 KL penalty to the base model (0 disables)")
+    loss_aggregation: Literal["token_mean", "sequence_mean"] = Field(
+        "token_mean", description="token_mean: every token of a minibatch weighs the same (DAPO); sequence_mean: "
+        "the mean of each sequence's token mean (the original GRPO)")
     max_grad_norm: float = Field(1.0, gt=0.0, description="Gradient clipping norm")
     updates_per_batch: int = Field(2, ge=1, le=16, description="Optimizer minibatch updates per train batch")
     micro_batch_size: int = Field(32, ge=1, description="Sequences per forward/backward pass (memory bound)")
@@ -73,6 +76,11 @@ class RunSpec(BaseModel):
     eval_every: int = Field(10, ge=0, description="Evaluate held-out tasks every N versions (0 = never)")
     eval_tasks: int = Field(64, ge=1, le=100_000, description="Held-out tasks per domain per evaluation")
     seed: int = Field(0, ge=0, description="Seed for sampling and data order")
+    share: float = Field(
+        1.0, gt=0.0, le=1000.0,
+        description="This run's share of shared GPU workers: runs with work waiting get device time in the "
+        "ratio of their shares (a run ahead of its share admits nothing new until it is not)",
+    )
     collapse_window: int = Field(
         20, ge=1, description="Steps of identical rewards in every group after which training has collapsed"
     )

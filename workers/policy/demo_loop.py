@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from workers.policy.demo_model import demo_tasks, exact_match
-from workers.policy.engines import Engine, SamplingSpec, load_engine
+from workers.policy.engines import Engine, SamplingParams, load_engine
 from workers.policy.trainer import Group, Trainer, TrainerConfig
 
 
@@ -38,7 +38,7 @@ class LoopReport:
 
 
 def heldout_accuracy(engine: Engine, rows: list[dict[str, str]], max_tokens: int = 6) -> float:
-    out = engine.generate([r["prompt"] for r in rows], SamplingSpec(temperature=0.0, max_tokens=max_tokens))
+    out = engine.generate([r["prompt"] for r in rows], SamplingParams(temperature=0.0, max_tokens=max_tokens))
     return sum(exact_match(s.text, r["answer"]) for s, r in zip(out, rows, strict=True)) / len(rows)
 
 
@@ -78,7 +78,7 @@ def run_grpo(
     report = LoopReport(before=before, after=before, best=before, steps=0, seconds=0.0)
     if early_stop_gain is not None:
         target = min(target if target is not None else 1.0, before + early_stop_gain)
-    spec = SamplingSpec(n=group_size, temperature=cfg.temperature, max_tokens=6)
+    spec = SamplingParams(n=group_size, temperature=cfg.temperature, max_tokens=6)
     work = Path(work_dir)
     for step in range(1, max_steps + 1):
         rows = train_rows[(step - 1) * prompts_per_step : step * prompts_per_step]

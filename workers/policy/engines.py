@@ -30,7 +30,7 @@ ENGINES: dict[str, str] = {
 
 
 @dataclass(frozen=True)
-class SamplingSpec:
+class SamplingParams:
     """How to sample. Mirrors the subset of vLLM's SamplingParams that Temper uses."""
 
     n: int = 1
@@ -71,7 +71,7 @@ class Engine(Protocol):
 
     version: int
 
-    def generate(self, prompts: list[str], sampling: SamplingSpec) -> list[Sample]:
+    def generate(self, prompts: list[str], sampling: SamplingParams) -> list[Sample]:
         """``len(prompts) * sampling.n`` samples, prompt-major."""
         ...
 

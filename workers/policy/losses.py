@@ -13,6 +13,7 @@ Shape conventions used throughout:
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import torch
@@ -46,6 +47,17 @@ def group_advantages(rewards: Tensor, kind: AdvantageKind = "grpo", eps: float =
         loo_mean = (rewards.sum(dim=1, keepdim=True) - rewards) / (g - 1)
         return rewards - loo_mean
     raise ValueError(f"unknown advantage kind {kind!r}; expected grpo, dr_grpo or rloo")
+
+
+def sample_advantages(rewards: list[float | None], kind: AdvantageKind = "grpo") -> list[float | None]:
+    """One group's advantages, where the batch is assembled (prime-rl's orchestrator does the same): the
+    valid rewards' group-relative advantages in place, None for an invalid verdict (left out of the loss).
+    A group with fewer than two valid rewards, or identical ones, has no learning signal: all zero."""
+    valid = [r for r in rewards if r is not None and math.isfinite(r)]
+    if len(valid) < 2 or all(r == valid[0] for r in valid):
+        return [None if r is None or not math.isfinite(r) else 0.0 for r in rewards]
+    adv = iter(group_advantages(torch.tensor([valid], dtype=torch.float32), kind)[0].tolist())
+    return [None if r is None or not math.isfinite(r) else next(adv) for r in rewards]
 
 
 def token_logprobs(logits: Tensor, tokens: Tensor, temperature: float = 1.0) -> Tensor:
@@ -117,6 +129,9 @@ def decoupled_ppo_clip(
     objective = torch.minimum(unclipped, clipped_obj)
     clipped = clipped_obj < unclipped
     return -weight * objective, clipped, weight
+
+
+LossAggregation = Literal["token_mean", "sequence_mean"]
 
 
 def token_mean(values: Tensor, mask: Tensor) -> Tensor:

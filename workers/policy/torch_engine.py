@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from workers.policy import versions
-from workers.policy.engines import FinishReason, Sample, SamplingSpec, encode_prompts
+from workers.policy.engines import FinishReason, Sample, SamplingParams, encode_prompts
 
 
 class TorchEngine:
@@ -69,7 +69,7 @@ class TorchEngine:
         self.policy.apply(version_dir)
         self.version = versions.read_version_number(version_dir)
 
-    def generate(self, prompts: list[str], sampling: SamplingSpec) -> list[Sample]:
+    def generate(self, prompts: list[str], sampling: SamplingParams) -> list[Sample]:
         if sampling.n < 1 or sampling.max_tokens < 1:
             raise ValueError("sampling.n and sampling.max_tokens must be at least 1")
         prompt_ids = encode_prompts(self.tokenizer, prompts)
@@ -85,7 +85,7 @@ class TorchEngine:
 
     @torch.no_grad()
     def _generate_chunk(
-        self, rows: list[tuple[str, list[int]]], sampling: SamplingSpec, gen: torch.Generator
+        self, rows: list[tuple[str, list[int]]], sampling: SamplingParams, gen: torch.Generator
     ) -> list[Sample]:
         model = self.model
         b = len(rows)

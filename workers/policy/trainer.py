@@ -73,6 +73,9 @@ class TrainerConfig:
         "up_proj",
         "down_proj",
     )
+    loss_aggregation: losses.LossAggregation = "token_mean"
+    """How per-token losses become one number: ``token_mean`` over every token of a minibatch (DAPO's) or
+    ``sequence_mean``, the mean of each sequence's token mean (the original GRPO's), as TRL's ``loss_type``."""
     collapse_patience: int = 10
     """Consecutive steps in which every group has identical rewards before collapse is reported."""
     seed: int = 0
@@ -84,10 +87,15 @@ class TrainerConfig:
 
 @dataclass
 class Group:
-    """The samples drawn for one prompt and their verdicts (None = invalid: excluded, never scored 0)."""
+    """The samples drawn for one prompt and their verdicts (None = invalid: excluded, never scored 0).
+
+    ``advantages`` are computed where the batch is assembled (``losses.sample_advantages``); the trainer
+    then stays blind to the estimator. Without them it computes them itself with ``config.advantage`` (the
+    bare demo loop does)."""
 
     samples: Sequence[Sample]
     rewards: Sequence[float | None]
+    advantages: Sequence[float | None] | None = None
 
 
 @dataclass
@@ -109,6 +117,8 @@ class TrainMetrics:
     groups_used: int = 0
     groups_dropped_zero_variance: int = 0
     samples_dropped_invalid: int = 0
+    clipped_samples: list[tuple[int, int]] = field(default_factory=list)
+    """(group index, sample index) of every trained sample with at least one clipped token."""
     reward_mean: float = 0.0
     advantage_abs_mean: float = 0.0
     updated: bool = False
@@ -124,6 +134,8 @@ class TrainMetrics:
 
 @dataclass
 class _Row:
+    key: tuple[int, int]
+    """(group index, sample index) in the batch."""
     prompt_ids: list[int]
     completion_ids: list[int]
     behav: list[float]
@@ -193,24 +205,22 @@ class Trainer:
     def _rows_from_groups(self, groups: Sequence[Group], metrics: TrainMetrics) -> list[_Row]:
         rows: list[_Row] = []
         kept_rewards: list[float] = []
-        for group in groups:
-            valid = [
-                (s, r)
-                for s, r in zip(group.samples, group.rewards, strict=True)
-                if r is not None and math.isfinite(r)
-            ]
+        for gi, group in enumerate(groups):
+            advantages = (list(group.advantages) if group.advantages is not None
+                          else losses.sample_advantages(list(group.rewards), self.config.advantage))
+            valid = [(si, s, r, a) for si, (s, r, a) in enumerate(zip(group.samples, group.rewards, advantages,
+                                                                      strict=True))
+                     if r is not None and math.isfinite(r) and a is not None]
             metrics.samples_dropped_invalid += len(group.samples) - len(valid)
-            rewards = torch.tensor([r for _, r in valid], dtype=torch.float32)
-            if len(valid) < 2 or bool((rewards == rewards[0]).all()):
+            if len(valid) < 2 or all(a == 0.0 for *_, a in valid):
                 metrics.groups_dropped_zero_variance += 1
                 continue
-            adv = losses.group_advantages(rewards[None, :], self.config.advantage)[0]
             metrics.groups_used += 1
-            kept_rewards.extend(rewards.tolist())
-            for (sample, _), a in zip(valid, adv.tolist(), strict=True):
+            kept_rewards.extend(r for _, _, r, _ in valid)
+            for si, sample, _, a in valid:
                 if not sample.completion_token_ids:
                     continue
-                rows.append(_Row(sample.prompt_token_ids, sample.completion_token_ids, sample.logprobs, a))
+                rows.append(_Row((gi, si), sample.prompt_token_ids, sample.completion_token_ids, sample.logprobs, a))
         if kept_rewards:
             metrics.reward_mean = sum(kept_rewards) / len(kept_rewards)
             metrics.advantage_abs_mean = sum(abs(r.advantage) for r in rows) / max(len(rows), 1)
@@ -343,8 +353,11 @@ class Trainer:
                     kl_ref = losses.kl_k3(logp, ref_t)
                     per_token = per_token + cfg.kl_coef * kl_ref
                     sums["kl_ref"] += float((kl_ref.detach() * mask).sum())
-                # Token-mean over the whole minibatch: weight each micro-batch by its share of tokens.
-                loss = (per_token * mask).sum() / max(mb_tokens, 1)
+                # Aggregated over the whole minibatch: each micro-batch weighted by its share of it.
+                if cfg.loss_aggregation == "sequence_mean":
+                    loss = losses.sequence_mean(per_token, mask) * (len(chunk) / len(mb_idx))
+                else:
+                    loss = losses.token_mean(per_token, mask) * (float(mask.sum()) / max(mb_tokens, 1))
                 if not torch.isfinite(loss):
                     nonfinite = True
                     break
@@ -355,6 +368,8 @@ class Trainer:
                 sums["entropy"] += float((entropy.detach() * mask).sum())
                 sums["iw"] += float((weight * mask).sum())
                 sums["tokens"] += float(mask.sum())
+                row_clipped = (clipped & mask.bool()).any(dim=1).tolist()
+                metrics.clipped_samples.extend(r.key for r, c in zip(chunk, row_clipped, strict=True) if c)
                 real = weight[mask.bool()]
                 iw_max, iw_min = max(iw_max, float(real.max())), min(iw_min, float(real.min()))
             if nonfinite:

@@ -7,7 +7,7 @@ overwritten: on a live CPU engine ``load_weights`` fails and ``reload_weights`` 
 from a fresh load, while per-request adapters match a fresh load exactly (tested in
 ``tests/policy/test_engine_contract.py``).
 
-Behaviour log-probs come from ``SamplingParams(logprobs=0)`` with ``logprobs_mode="processed_logprobs"``:
+Behaviour log-probs come from vLLM's ``SamplingParams(logprobs=0)`` with ``logprobs_mode="processed_logprobs"``:
 ``log softmax(logits / temperature)`` of the sampled token, the torch engine's convention when
 ``top_p == 1``. With ``top_p < 1`` vLLM reports the log-prob under the truncated, renormalised
 distribution (the torch engine does not truncate it), so keep ``top_p = 1`` for RL.
@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from workers.policy import versions
-from workers.policy.engines import FinishReason, Sample, SamplingSpec, encode_prompts
+from workers.policy.engines import FinishReason, Sample, SamplingParams, encode_prompts
 
 
 class VLLMEngine:
@@ -99,8 +99,9 @@ class VLLMEngine:
         )
         self.version = meta.version
 
-    def generate(self, prompts: list[str], sampling: SamplingSpec) -> list[Sample]:
-        from vllm import SamplingParams, TokensPrompt
+    def generate(self, prompts: list[str], sampling: SamplingParams) -> list[Sample]:
+        from vllm import SamplingParams as VllmSamplingParams
+        from vllm import TokensPrompt
 
         if sampling.n < 1 or sampling.max_tokens < 1:
             raise ValueError("sampling.n and sampling.max_tokens must be at least 1")
@@ -109,7 +110,7 @@ class VLLMEngine:
         base_seed = sampling.seed if sampling.seed is not None else self.seed * 1_000_003 + self._calls
         self._calls += 1
         params = [
-            SamplingParams(
+            VllmSamplingParams(
                 n=sampling.n,
                 temperature=sampling.temperature,
                 top_p=sampling.top_p,

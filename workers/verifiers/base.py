@@ -222,8 +222,8 @@ KINDS: dict[str, str] = {
     "f1": "workers.verifiers.text:F1Verifier",
     "json_match": "workers.verifiers.json_match:JsonMatchVerifier",
     "math": "workers.verifiers.mathexpr:MathVerifier",
-    "python_tests": "workers.verifiers.sandboxed:PythonTestsVerifier",
-    "command": "workers.verifiers.sandboxed:CommandVerifier",
+    "python_tests": "workers.verifiers.python_tests:PythonTestsVerifier",
+    "command": "workers.verifiers.command:CommandVerifier",
     "llm_judge": "workers.verifiers.llm_judge:LLMJudgeVerifier",
 }
 

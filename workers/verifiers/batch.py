@@ -1,6 +1,6 @@
 """Judging files of samples: the pure core of ``manage.py verify``.
 
-``read_jsonl(path)`` yields ``(line_number, row | RowError)``; ``judge_rows(verifier, rows)`` yields one
+``read_jsonl(path)`` yields ``(line_number, row | InputRowError)``; ``judge_rows(verifier, rows)`` yields one
 output row per input row — the input fields plus ``verdict`` (pass|fail|invalid), ``score``, ``reason``,
 ``latency_ms`` and ``details`` — or, for a bad input row (not JSON, not an object, a missing or mistyped
 field), ``{"line": n, "verdict": None, "error": "line n: …"}``. A bad row never stops the good ones.
@@ -24,7 +24,7 @@ REQUIRED_FIELDS = ("prompt", "completion", "reference")
 
 
 @dataclass(frozen=True)
-class RowError:
+class InputRowError:
     line: int
     message: str
 
@@ -32,8 +32,8 @@ class RowError:
         return f"line {self.line}: {self.message}"
 
 
-def read_jsonl(path: str | Path) -> Iterator[tuple[int, dict[str, Any] | RowError]]:
-    """``(line_number, row)`` for each non-blank line (1-based), or ``(line_number, RowError)``."""
+def read_jsonl(path: str | Path) -> Iterator[tuple[int, dict[str, Any] | InputRowError]]:
+    """``(line_number, row)`` for each non-blank line (1-based), or ``(line_number, InputRowError)``."""
     with open(path, encoding="utf-8", errors="replace") as fh:
         for n, line in enumerate(fh, start=1):
             if not line.strip():
@@ -41,30 +41,30 @@ def read_jsonl(path: str | Path) -> Iterator[tuple[int, dict[str, Any] | RowErro
             try:
                 row = json.loads(line)
             except (ValueError, RecursionError) as exc:
-                yield n, RowError(n, f"not valid JSON ({exc})"[:300])
+                yield n, InputRowError(n, f"not valid JSON ({exc})"[:300])
                 continue
             if not isinstance(row, dict):
-                yield n, RowError(n, f"expected a JSON object, got {type(row).__name__}")
+                yield n, InputRowError(n, f"expected a JSON object, got {type(row).__name__}")
                 continue
             yield n, row
 
 
-def check_row(line: int, row: dict[str, Any]) -> JudgeInput | RowError:
+def check_row(line: int, row: dict[str, Any]) -> JudgeInput | InputRowError:
     missing = [f for f in REQUIRED_FIELDS if f not in row]
     if missing:
-        return RowError(line, f"missing field(s): {', '.join(missing)}")
+        return InputRowError(line, f"missing field(s): {', '.join(missing)}")
     for f in ("prompt", "completion"):
         if not isinstance(row[f], str):
-            return RowError(line, f"field {f!r} must be a string, got {type(row[f]).__name__}")
+            return InputRowError(line, f"field {f!r} must be a string, got {type(row[f]).__name__}")
     kind = row.get("kind")
     if kind is not None and not isinstance(kind, str):
-        return RowError(line, f"field 'kind' must be a domain kind name, got {type(kind).__name__}")
+        return InputRowError(line, f"field 'kind' must be a domain kind name, got {type(kind).__name__}")
     return JudgeInput(row["prompt"], row["completion"], row["reference"], kind=kind)
 
 
 def judge_rows(
     verifier: Verifier,
-    rows: Iterable[dict[str, Any] | tuple[int, dict[str, Any] | RowError]],
+    rows: Iterable[dict[str, Any] | tuple[int, dict[str, Any] | InputRowError]],
     progress: Callable[[int, dict[str, Any]], None] | None = None,
 ) -> Iterator[dict[str, Any]]:
     """Judge each row lazily. ``rows`` are dicts (numbered from 1) or ``read_jsonl`` pairs.
@@ -77,14 +77,14 @@ def judge_rows(
         else:
             line, payload = i, item
         out: dict[str, Any]
-        if isinstance(payload, RowError):
+        if isinstance(payload, InputRowError):
             out = {"line": line, "verdict": None, "error": str(payload)}
         elif not isinstance(payload, dict):
             out = {"line": line, "verdict": None,
-                   "error": str(RowError(line, f"expected an object, got {type(payload).__name__}"))}
+                   "error": str(InputRowError(line, f"expected an object, got {type(payload).__name__}"))}
         else:
             checked = check_row(line, payload)
-            if isinstance(checked, RowError):
+            if isinstance(checked, InputRowError):
                 out = {"line": line, "verdict": None, "error": str(checked)}
             else:
                 v = verifier.judge(checked).to_dict()

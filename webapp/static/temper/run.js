@@ -95,8 +95,13 @@
     if (eventsEl.children.length > 500) eventsEl.firstElementChild.remove();
   }
 
+  // The websocket's payloads, as typed in webapp/runs/loop/live.py (one of three, by "type"):
+  //   {"type": "metrics", "points": [[name, domain_id, step, value, seq], ...], "first_seq", "last_seq"}
+  //        (charts.js takes these; a gap in seq is backfilled over /api/v1/metrics/?since_seq=)
+  //   {"type": "event", "event": {"id", "kind", "level", "message", "data", "created_at"}}
+  //   {"type": "run", "status", "status_reason", "step", "latest_version"}
   function onMessage(msg) {
-    if (msg.event) addEvent(msg.event);  // {"type": "event", "event": {...}} (workers/telemetry.py)
+    if (msg.type === "event" && msg.event) addEvent(msg.event);
     if (msg.type === "run" && msg.status) showRun(Object.assign({}, lastRun, msg));
   }
 

@@ -51,7 +51,7 @@ ROLES: tuple[Role, ...] = (
     # others (an embedded `worker -B` beat could outlive its worker when Ctrl-C came during its start).
     Role("beat", ("-m", "celery", "-A", "workers.celery", "beat", "-l", "INFO", "-s", "{var}/celerybeat-schedule"),
          "the recovery tick (exactly one per deployment)"),
-    # Two task threads share the device (workers/tasks/resident.py): one computes while the other reads its
+    # Two task threads share the device (workers/policy/resident.py): one computes while the other reads its
     # batch or writes its results, so the device does not wait on the database. One per GPU.
     Role("worker-gpu", (*CELERY_WORKER, "-Q", "rollout,train", "-n", "gpu@%h", "--pool", "threads",
                         "--concurrency", "2"), "generation and training, the policy resident (TEMPER_DEVICE)"),
@@ -179,9 +179,9 @@ class Command(BaseCommand):
             self._spawn(role.name, role_argv(role, **options))
         # A (re)start: hand out again, at once, whatever the last life left in flight (its queued messages
         # died with the embedded Redis; see kick_active_runs), instead of waiting for the beat's next tick.
-        from workers.celery import app
+        from workers import messages
 
-        app.send_task("workers.tasks.control.kick_active_runs")
+        messages.kick_active_runs()
         url = f"http://{opts['host']}:{opts['port']}"
         deadline = time.monotonic() + 60
         while not self.stopping:

@@ -11,9 +11,11 @@ it, the least recently used are evicted first; an evicted trainer is rebuilt fro
 version (with a fresh optimizer, as after a worker restart).
 
 Everything is placed on ``TEMPER_DEVICE`` (``workers.policy.device``). The device is used by one task
-at a time (``device()``). A GPU worker may run two tasks at once (``--pool threads --concurrency 2``):
-while one computes, the other reads its batch from the database or writes its results, so the device
-does not wait on bookkeeping.
+at a time (hold ``DEVICE``; ``webapp.runs.loop.live.on_device`` also times it). A GPU worker may run two
+tasks at once (``--pool threads --concurrency 2``): while one computes, the other reads its batch from the
+database or writes its results, so the device does not wait on bookkeeping.
+
+Pure: no Django (torch is imported where an engine or trainer is built).
 """
 
 from __future__ import annotations
@@ -28,9 +30,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from workers.telemetry import Timer, busy
-
-_DEVICE = threading.Lock()
+DEVICE = threading.Lock()
+"""Held for every stretch of device work: one task on the device at a time."""
 _STEPS: dict[int, threading.Event] = {}  # run id -> set when that run's train step here is recorded
 _STEPS_LOCK = threading.Lock()
 
@@ -85,14 +86,6 @@ def after_training(run_id: int, timeout: float = 120.0) -> None:
         done = _STEPS.get(run_id)
     if done is not None:
         done.wait(timeout)
-
-
-@contextmanager
-def device(run_id: int | None) -> Iterator[Timer]:
-    """Hold the device for a stretch of work (generating, training, switching or saving weights); the time
-    it is held counts as GPU-busy for this worker and the run. Engines and trainers are only used inside."""
-    with _DEVICE, busy(run_id) as timer:
-        yield timer
 
 
 def _cpu_threads() -> None:

@@ -1,4 +1,4 @@
-"""Run health: from a few facts about a run right now, the alerts that hold. Pure: no Django, no Celery.
+"""Run alerts: from a few facts about a run right now, the alerts that hold. Pure: no Django, no Celery.
 
 Alerts, each with a stable key so it is raised once and cleared when the condition is gone:
 
@@ -15,6 +15,9 @@ Alerts, each with a stable key so it is raised once and cleared when the conditi
 * ``worker_gone:<name>``: a worker that was alive while the run was active stopped sending heartbeats
   without a clean shutdown. Level warning.
 * ``no_worker:<queue>``: no live worker consumes a queue the run needs. Level error.
+* ``starved``: the run has admitted nothing new for longer than ``starved_seconds`` because other runs on
+  the same workers were behind their shares (``scheduler.Share``): its share may be too small for the load.
+  Level warning.
 
 ``changes(active, now)`` compares with the alerts already raised (kept on the run), so each is logged once.
 """
@@ -60,6 +63,8 @@ class HealthFacts:
     stale_dropped: int = 0
     """Groups dropped as too stale among the latest ones."""
     workers: Sequence[WorkerFacts] = ()
+    deferred_s: float = 0.0
+    """Seconds the run has been held back for other runs' shares (0 when it is not)."""
 
 
 @dataclass(frozen=True)
@@ -72,6 +77,7 @@ class Bounds:
     stale_drops: int = 16
     stall_seconds: float = 180.0
     silent_seconds: float = 30.0
+    starved_seconds: float = 180.0
     queues: tuple[str, ...] = QUEUES
 
 
@@ -120,6 +126,11 @@ def check(facts: HealthFacts, bounds: Bounds) -> list[Alert]:
         alerts.append(Alert("staleness", "alert.staleness", "warning",
                             f"{facts.stale_dropped} recent groups were dropped as too stale: generation falls "
                             "behind training", {"dropped": facts.stale_dropped}))
+    if facts.deferred_s > bounds.starved_seconds:
+        alerts.append(Alert("starved", "alert.starved", "warning",
+                            f"the run has waited {facts.deferred_s:.0f} s for its share of the shared workers "
+                            f"(bound {bounds.starved_seconds:.0f} s): raise its share or add workers",
+                            {"seconds": round(facts.deferred_s, 1)}))
     live: set[str] = set()
     for w in facts.workers:
         if not w.stopped and w.silent_s <= bounds.silent_seconds:

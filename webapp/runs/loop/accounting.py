@@ -1,0 +1,64 @@
+"""The books of a run: every admitted prompt group trained exactly once or dropped with a reason.
+
+What the fault tests (a worker killed mid-step, Redis restarted, ``make run`` stopped and started again)
+check after the fact, and what a person can check on any run (``accounting(run).problems``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from django.db.models import Count
+
+from webapp.runs.models import PromptGroup, Run, Trajectory
+from workers.pipeline.spec import RunSpec
+
+G = PromptGroup.Status
+
+
+@dataclass(frozen=True)
+class Accounting:
+    """Where every admitted prompt group of a run ended up; ``problems`` is empty when the counts add up."""
+
+    admitted: int
+    by_status: dict[str, int]
+    trained_samples: int
+    steps: int
+    problems: list[str]
+
+
+def accounting(run: Run) -> Accounting:
+    """Check that every admitted group was trained exactly once or dropped with a reason.
+
+    Trained groups: exactly ``n_samples`` samples, each marked with the group's train step, and exactly
+    ``batch_prompts`` groups per step for steps 1..run.step. Dropped groups: a reason. Groups still in
+    flight are reported by status (a finished run has none).
+    """
+    spec = RunSpec.model_validate(run.spec)
+    groups = PromptGroup.objects.filter(run=run)
+    by_status = dict(groups.values_list("status").annotate(n=Count("id")))
+    problems: list[str] = []
+    if n := groups.filter(status=G.DROPPED, drop_reason="").count():
+        problems.append(f"{n} dropped group(s) without a reason")
+    per_step = dict(groups.filter(status=G.TRAINED).values_list("trained_step").annotate(n=Count("id")))
+    expected_steps = set(range(1, run.step + 1))
+    if set(per_step) != expected_steps:
+        problems.append(f"trained steps {sorted(per_step)} differ from 1..{run.step}")
+    if wrong := {s: n for s, n in per_step.items() if n != spec.pipeline.batch_prompts}:
+        problems.append(f"steps with a group count other than {spec.pipeline.batch_prompts}: {wrong}")
+    trained = groups.filter(status=G.TRAINED)
+    samples = Trajectory.objects.filter(run=run, group_key__in=trained.values("key"))
+    sample_steps = dict(samples.values_list("group_key").annotate(n=Count("id")))
+    expected = dict(trained.values_list("key", "n_samples"))
+    if short := [k for k, n in expected.items() if sample_steps.get(k, 0) != n]:
+        problems.append(f"{len(short)} trained group(s) whose sample count differs from n_samples")
+    step_of = dict(trained.values_list("key", "trained_step"))
+    marked = samples.values_list("group_key", "trained_step").distinct()
+    if bad := [k for k, s in marked if s != step_of.get(k)]:
+        problems.append(f"{len(bad)} trained group(s) with samples marked for another step (or none)")
+    trained_elsewhere = Trajectory.objects.filter(run=run, trained_step__isnull=False).exclude(
+        group_key__in=trained.values("key")).count()
+    if trained_elsewhere:
+        problems.append(f"{trained_elsewhere} sample(s) marked trained outside a trained group")
+    return Accounting(admitted=sum(by_status.values()), by_status=by_status,
+                      trained_samples=samples.count(), steps=run.step, problems=problems)

@@ -1,0 +1,48 @@
+"""Admission, the database half: turning the scheduler's "admit n of domain d" into prompt groups.
+
+New prompts are read through a per-domain keyset cursor in ``Run.state["cursor"]`` (the next train tasks
+after the last admitted one, wrapping into the next epoch). Retries come first: each is a new group for the
+prompt of an earlier group that got an invalid verdict. Called under the caller's lock on the run.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from webapp.catalog.models import Task
+from webapp.runs.models import PromptGroup, Run
+
+
+def next_tasks(run: Run, domain_id: int, n: int) -> list[Task]:
+    """The next ``n`` train tasks of a domain after the run's data cursor, wrapping around (epochs)."""
+    cursor: dict[str, int] = run.state.setdefault("cursor", {})
+    after = cursor.get(str(domain_id), 0)
+    base = Task.objects.filter(domain_id=domain_id, split=Task.Split.TRAIN).order_by("id")
+    tasks = list(base.filter(id__gt=after)[:n])
+    if len(tasks) < n:
+        tasks += list(base[: n - len(tasks)])  # next epoch
+    if tasks:
+        cursor[str(domain_id)] = tasks[-1].pk
+    return tasks
+
+
+def admit(run: Run, admit: dict[int, int], retry: dict[int, int]) -> list[int]:
+    """Create the admitted groups and return their ids (retries first)."""
+    groups = []
+    for domain_id, n in retry.items():
+        earlier = list(PromptGroup.objects.filter(run=run, retry_pending=True, domain_id=domain_id).order_by("id")[:n])
+        PromptGroup.objects.filter(pk__in=[g.pk for g in earlier]).update(retry_pending=False)
+        groups += [PromptGroup(run=run, key=uuid.uuid4().hex, task_id=g.task_id, domain_id=domain_id,
+                               admitted_version=run.latest_version, retries=g.retries + 1, retry_of=g)
+                   for g in earlier]
+    exhausted = set(run.state.get("exhausted", []))
+    for domain_id, n in admit.items():
+        tasks = next_tasks(run, domain_id, n)
+        if not tasks:
+            exhausted.add(domain_id)
+        groups += [PromptGroup(run=run, key=uuid.uuid4().hex, task=task, domain_id=domain_id,
+                               admitted_version=run.latest_version) for task in tasks]
+    run.state["exhausted"] = sorted(exhausted)
+    PromptGroup.objects.bulk_create(groups)
+    Run.objects.filter(pk=run.pk).update(state=run.state)
+    return [g.pk for g in groups]

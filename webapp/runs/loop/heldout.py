@@ -1,0 +1,129 @@
+"""Held-out evaluation of a run's version, in two halves so a slow verifier never holds the GPU worker.
+
+``sample`` (GPU worker): every domain's held-out tasks in one batch — greedy, or ``n_samples``
+completions per task when an evaluation was requested that way (pass@k) — stored as evaluation samples
+(``Trajectory.is_eval``). ``score`` (verify queue): judge them; a task's score is its sample's reward
+(greedy), or 1 when any of its completions passes (pass@k); invalid verdicts are left out and counted. Each
+domain's ``Evaluation`` gets the per-task scores (``results["tasks"]``, what comparisons pair on); greedy
+scores become ``heldout_reward`` points, and a greedy overall score at the run's target completes it.
+Version 0 is the base model: a ``PolicyVersion`` row of its own, so it can be compared with.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+
+from django.db import transaction
+
+from webapp.catalog.models import Task
+from webapp.runs import services
+from webapp.runs.loop import live, paths
+from webapp.runs.loop.generation import load_engine, sampling
+from webapp.runs.loop.verification import judge, record_verdict
+from webapp.runs.metrics import Point
+from webapp.runs.models import Evaluation, PolicyVersion, Run, RunStatus, Trajectory, VerdictChoice
+from workers import messages
+from workers.pipeline.spec import RunSpec
+
+
+def sample(run_id: int, version: int) -> int:
+    """The device half: sample every domain's held-out tasks under ``version``; queue their scoring."""
+    from workers.policy import resident
+
+    run = Run.objects.select_related("base_model").filter(pk=run_id).first()
+    if run is None or run.status in (RunStatus.CANCELLED, RunStatus.FAILED):
+        return 0
+    if version == 0:
+        version_row, _ = PolicyVersion.objects.get_or_create(run=run, number=0, defaults={"step": 0})
+    elif (found := PolicyVersion.objects.filter(run=run, number=version).first()) is not None:
+        version_row = found
+    else:
+        return 0
+    spec = RunSpec.model_validate(run.spec)
+    k = max(Evaluation.objects.filter(version=version_row, suite="heldout", status=Evaluation.Status.PENDING)
+            .values_list("n_samples", flat=True), default=1)
+    per_domain = []
+    for rd in run.run_domains.select_related("domain"):
+        tasks = list(Task.objects.filter(domain=rd.domain, split=Task.Split.HELDOUT).order_by("id")[: spec.eval_tasks])
+        if tasks:
+            per_domain.append((rd, tasks))
+    tasks = [t for _, domain_tasks in per_domain for t in domain_tasks]
+    prompts = [rd.domain.render_prompt(t.prompt, t.reference, t.metadata) for rd, domain_tasks in per_domain
+               for t in domain_tasks]
+    engine = load_engine(run, spec)
+    with live.on_device(run_id):  # every domain's prompts in one batch
+        resident.serve(engine, run_id, version, paths.version_dir(run.pk, version))
+        outputs = engine.generate(prompts, sampling(spec, k, greedy=k == 1)) if tasks else []
+    Trajectory.objects.bulk_create([
+        Trajectory(run=run, task=t, domain_id=t.domain_id, group_key=messages.eval_key(version, k, t.pk),
+                   sample_index=i % k, version=version, prompt=s.prompt, completion=s.text,
+                   prompt_token_ids=s.prompt_token_ids, completion_token_ids=s.completion_token_ids,
+                   finish_reason=s.finish_reason, is_eval=True)
+        for i, (t, s) in enumerate(zip((t for t in tasks for _ in range(k)), outputs, strict=True))
+    ], ignore_conflicts=True)
+    for rd, domain_tasks in per_domain:
+        Evaluation.objects.update_or_create(version=version_row, domain=rd.domain, suite="heldout", defaults={
+            "status": Evaluation.Status.RUNNING, "n_tasks": len(domain_tasks), "n_samples": k})
+    messages.score_evaluation(run_id, version, k)
+    return len(outputs)
+
+
+def score(run_id: int, version: int, samples: int) -> dict[str, float]:
+    """The judging half: score the samples ``sample`` wrote, per domain."""
+    run = Run.objects.filter(pk=run_id).first()
+    version_row = PolicyVersion.objects.filter(run_id=run_id, number=version).first()
+    if run is None or version_row is None:
+        return {}
+    spec = RunSpec.model_validate(run.spec)
+    scores: dict[str, float] = {}
+    weighted: list[tuple[float, float]] = []
+    name = "heldout_reward" if samples == 1 else f"heldout_pass_at_{samples}"
+    points = []
+    prefix = messages.eval_key(version, samples, 0)[:-1]
+    for rd in run.run_domains.select_related("domain__verifier"):
+        rows = list(Trajectory.objects.filter(run=run, is_eval=True, domain=rd.domain, group_key__startswith=prefix)
+                    .select_related("task").only("id", "prompt", "completion", "verdict", "reward", "task__reference"))
+        if not rows:
+            continue
+        judged = [(t, judge(rd.domain.verifier, t.prompt, t.completion, t.task.reference if t.task else {},
+                            rd.domain.kind))
+                  for t in rows if t.verdict == VerdictChoice.PENDING]
+        with transaction.atomic():
+            for t, v in judged:
+                record_verdict(t.pk, status=v.status, score=v.score, reason=v.reason or "",
+                               details=v.to_dict().get("details", {}), latency_ms=v.latency_ms)
+                t.verdict, t.reward = v.status, v.score
+        per_task: defaultdict[int, list[tuple[str, float | None]]] = defaultdict(list)
+        for t in rows:
+            per_task[t.task_id or 0].append((t.verdict, t.reward))
+        results, passed, invalid = [], 0, 0
+        for task_id, outcomes in per_task.items():
+            valid = [(v, r) for v, r in outcomes if v != VerdictChoice.INVALID]
+            invalid += len(outcomes) - len(valid)
+            if not valid:
+                continue
+            ok = any(v == VerdictChoice.PASS for v, _ in valid)
+            passed += ok
+            results.append([task_id, float(ok) if samples > 1 else float(valid[0][1] or 0.0)])
+        value = statistics.fmean(s for _, s in results) if results else 0.0
+        Evaluation.objects.update_or_create(version=version_row, domain=rd.domain, suite="heldout", defaults={
+            "status": Evaluation.Status.DONE, "n_tasks": len(per_task), "n_samples": samples, "score": value,
+            "pass_rate": passed / max(1, len(results)), "invalid_count": invalid,
+            "results": {"greedy": samples == 1, "samples": samples, "tasks": results}})
+        scores[rd.domain.name] = value
+        weighted.append((value, rd.weight))
+        points.append(Point(name, version_row.step, value, domain_id=rd.domain_id))
+    if not weighted:
+        return scores
+    overall = sum(s * w for s, w in weighted) / sum(w for _, w in weighted)
+    scores["overall"] = overall
+    points.append(Point(name, version_row.step, overall))
+    live.emit(run_id, points)
+    key = "heldout" if samples == 1 else f"heldout_pass_at_{samples}"
+    PolicyVersion.objects.filter(pk=version_row.pk).update(metrics={**version_row.metrics, key: scores})
+    if (samples == 1 and spec.target_reward is not None and version > 0 and overall >= spec.target_reward
+            and run.status == RunStatus.RUNNING):
+        services.do_complete_run(run, f"held-out reward {overall:.3f} reached the target {spec.target_reward}")
+        messages.advance_run(run_id)  # drops what the completed run still had in flight, with the reason
+    return scores

@@ -1,0 +1,108 @@
+"""What a finished train step reports: its metric points, read back from the database, then health checks
+and the evaluation it is due for. Runs on the control queue (``report_step``), so the GPU worker goes back
+to the device as soon as the step is recorded; a step is reported once (``PolicyVersion.metrics["reported"]``).
+
+Every metric the trainer computes is reported (``TRAINER_METRICS``): loss, clipping, the KL to the
+behaviour policy and to the base model, entropy, gradient norm, importance weights, what was trained and
+what was dropped.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import Counter, defaultdict
+
+from django.db import transaction
+from django.db.models import Count
+
+from webapp.runs.loop import alerts, live
+from webapp.runs.metrics import Point
+from webapp.runs.models import PolicyVersion, PromptGroup, Run, Trajectory, VerdictChoice
+from workers import messages
+from workers.pipeline.spec import RunSpec
+
+TRAINER_METRICS = (
+    "loss", "clip_fraction", "kl", "kl_ref", "entropy", "grad_norm", "iw_mean", "iw_max", "iw_min", "tokens_trained",
+    "samples_trained", "groups_used", "groups_dropped_zero_variance", "samples_dropped_invalid", "reward_mean",
+    "advantage_abs_mean", "train_seconds", "train_task_seconds", "train_queue_wait_s")
+
+
+def report_step(run_id: int, step: int) -> int:
+    """Emit a recorded step's points once; then health checks and, every ``eval_every`` versions, evaluation."""
+    with transaction.atomic():
+        version = PolicyVersion.objects.select_for_update().filter(run_id=run_id, step=step, number__gt=0).first()
+        run = Run.objects.filter(pk=run_id).first()
+        if version is None or run is None or version.metrics.get("reported"):
+            return 0
+        PolicyVersion.objects.filter(pk=version.pk).update(metrics={**version.metrics, "reported": True})
+        points = step_points(run, version)
+        live.emit(run_id, points)
+    alerts.check_run(run_id)
+    spec = RunSpec.model_validate(run.spec)
+    if spec.eval_every and version.number % spec.eval_every == 0:
+        messages.evaluate(run_id, version.number)
+    return len(points)
+
+
+def step_points(run: Run, version: PolicyVersion) -> list[Point]:
+    """The metric points of train step ``version.step``: every trainer metric, data, stage timings, queues."""
+    step, m = version.step, version.metrics
+    points = [Point(name, step, float(m[name])) for name in TRAINER_METRICS if isinstance(m.get(name), (int, float))
+              and not isinstance(m.get(name), bool)]
+    points.append(Point("nonfinite", step, float(bool(m.get("nonfinite")))))
+    groups = list(PromptGroup.objects.filter(run=run, trained_step=step, status=PromptGroup.Status.TRAINED))
+    points.append(Point("zero_variance_share", step,
+                        float(m.get("groups_dropped_zero_variance") or 0) / max(1, len(groups))))
+    samples = list(Trajectory.objects.filter(run=run, trained_step=step).values_list(
+        "domain_id", "version", "verdict", "reward", "finish_reason", "verify_latency_ms", "completion_token_ids"))
+    total = len(samples)
+    lags = [version.number - 1 - v for _, v, *_ in samples]
+    points += [
+        Point("invalid_rate", step, sum(s[2] == VerdictChoice.INVALID for s in samples) / max(1, total)),
+        Point("truncation_rate", step, sum(s[4] == "length" for s in samples) / max(1, total)),
+        Point("staleness_mean", step, statistics.fmean(lags) if lags else 0.0),
+        Point("staleness_max", step, float(max(lags, default=0))),
+    ]
+    points += [Point(f"staleness_lag_{lag}", step, float(n)) for lag, n in sorted(Counter(lags).items())]
+    rewards: defaultdict[int | None, list[float]] = defaultdict(list)
+    latency: defaultdict[int | None, list[float]] = defaultdict(list)
+    for sample_domain, _, _, reward, _, latency_ms, _ in samples:
+        if reward is not None:
+            rewards[sample_domain].append(reward)
+        if latency_ms is not None:
+            latency[sample_domain].append(latency_ms)
+    for domain_id, values in rewards.items():
+        points.append(Point("reward", step, statistics.fmean(values), domain_id=domain_id))
+        points.append(Point("pass_rate", step, sum(r >= 1.0 for r in values) / len(values), domain_id=domain_id))
+    for domain_id, values in latency.items():
+        points.append(Point("verify_latency_ms_p50", step, quantile(values, 0.5), domain_id=domain_id))
+        points.append(Point("verify_latency_ms_p95", step, quantile(values, 0.95), domain_id=domain_id))
+    for name, attr in (("verify_queue_wait_s", "verify_wait_s"), ("verify_group_s", "verify_s")):
+        per_domain: defaultdict[int | None, list[float]] = defaultdict(list)
+        for g in groups:
+            if getattr(g, attr) is not None:
+                per_domain[g.domain_id].append(getattr(g, attr))
+        for domain_id, values in per_domain.items():
+            points.append(Point(f"{name}_p50", step, quantile(values, 0.5), domain_id=domain_id))
+            points.append(Point(f"{name}_p95", step, quantile(values, 0.95), domain_id=domain_id))
+    generated = sum(g.generate_s for g in groups if g.generate_s is not None)
+    if generated > 0:
+        tokens = sum(len(s[6] or []) for s in samples)
+        points += [Point("generate_seconds", step, generated), Point("tokens_per_s", step, tokens / generated),
+                   Point("trajectories_per_s", step, total / generated)]
+    waits = [g.generate_wait_s for g in groups if g.generate_wait_s is not None]
+    if waits:
+        points.append(Point("generate_queue_wait_s", step, statistics.fmean(waits)))
+    counts = dict(PromptGroup.objects.filter(run=run).values_list("status").annotate(n=Count("id")))
+    for status in ("admitted", "generating", "verifying", "ready"):
+        points.append(Point(f"groups_{status}", step, float(counts.get(status, 0))))
+    points.append(Point("in_flight", step, float(sum(counts.get(s, 0) for s in ("admitted", "generating", "verifying")))))
+    window = run.state.get("step_window")  # [previous step's end, this step's end], wall clock
+    if window and window[1] > window[0] and run.step == step:
+        points.append(Point("gpu_busy", step, min(1.0, live.take_busy(run.pk) / (window[1] - window[0]))))
+    return points
+
+
+def quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
