@@ -116,7 +116,7 @@ def simple_kinds(n: int) -> list[Measurement]:
     qa = [JudgeInput("q", f"The answer is the city of Paris {i}", {"answers": ["Paris", "city of Paris"]})
           for i in range(n)]
     out.append(timed("f1", judge_fn("f1", {}), qa))
-    js = [JudgeInput("q", f'```json\n{{"id": {i}, "tags": ["a", "b"], "ok": true}}\n```', {"id": i, "ok": True})
+    js = [JudgeInput("q", f'```json\n{{"id": {i}, "tags": ["a", "b"], "ok": true}}\n```', {"expected": {"id": i, "ok": True}})
           for i in range(n)]
     out.append(timed("json_match", judge_fn("json_match", {"mode": "subset"}), js))
     maths = [JudgeInput("q", rf"so the result is $\boxed{{\frac{{{i}}}{{2}}}}$", f"{i / 2}") for i in range(1, n // 4 + 2)]

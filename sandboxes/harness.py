@@ -182,6 +182,8 @@ class Job:
     epilogue: list[Any]  # code objects (see load_epilogue)
     command: list[str] | None
     key: bytes  # the report's per-execution HMAC secret
+    next_cell: Callable[[], str | None] | None = None
+    """A session: after the code and epilogue, run cells from this (None ends the session)."""
 
 
 def run_harness(receive_job: Callable[[], Job]) -> None:
@@ -260,9 +262,12 @@ def run_harness(receive_job: Callable[[], Job]) -> None:
             text = text[:500] + "..."
         return f"{name}: {text}" if text else name
 
-    def print_exception(exc: BaseException) -> None:
+    def print_exception(exc: BaseException, skip_harness: bool = False) -> None:
         try:
-            text = "".join(_format_exc(_type(exc), exc, exc.__traceback__))
+            tb = exc.__traceback__
+            if skip_harness and tb is not None and tb.tb_next is not None:
+                tb = tb.tb_next  # a cell's traceback starts at the cell, not at the harness running it
+            text = "".join(_format_exc(_type(exc), exc, tb))
         except _BaseException:
             text = describe(exc) + "\n"
         try:  # noqa: SIM105
@@ -353,6 +358,34 @@ def run_harness(receive_job: Callable[[], Job]) -> None:
         _dict_update(_builtins_dict, _builtins_snapshot)
         emit({"k": "stmt", "i": index, "ok": ok, "error": error})
     emit({"k": "epilogue"})
+
+    # ---- a session: cells, one at a time, in the same namespace, until the owner ends it. A cell that
+    # raises (or is interrupted by the owner's SIGINT at its time limit) is reported and the session goes on.
+    next_cell = job.next_cell
+    if next_cell is not None:
+        n = 0
+        while True:
+            try:
+                cell = next_cell()
+            except _BaseException:
+                break  # the channel is broken (the code closed or drained it): end the session
+            if cell is None:
+                break
+            ok, error = False, None
+            try:
+                _exec(_compile(cell, f"<cell {n}>", "exec", dont_inherit=True), namespace)
+                ok = True
+            except _BaseException as exc:
+                error = describe(exc)
+                print_exception(exc, skip_harness=True)
+            try:
+                _dict_clear(_builtins_dict)
+                _dict_update(_builtins_dict, _builtins_snapshot)
+                flush()  # the cell's output is in the pipes before its frame is
+                emit({"k": "cell", "n": n, "ok": ok, "error": error})
+            except _BaseException:  # an interrupt that came late, between cells: report the cell again
+                emit({"k": "cell", "n": n, "ok": ok, "error": error})
+            n += 1
 
     # ---- the optional command (spawned and waited with C-level calls only)
     command_exit: int | None = None

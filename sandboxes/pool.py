@@ -72,7 +72,7 @@ class _Zygote:
         self.owner_pid = os.getpid()
         self.pending: deque[Standby] = deque()
         self.exits: dict[int, tuple[int, float, int]] = {}  # ident -> wait status, CPU, max RSS
-        self.active: int | None = None  # the ident of the standby in use
+        self.active: set[int] = set()  # the idents of the standbys in use (an execution's, or sessions')
         parent_sock.settimeout(START_TIMEOUT)
         try:
             hello, _ = recv_packet(parent_sock)
@@ -95,7 +95,7 @@ class _Zygote:
                     os.close(fd)
                 raise EOFError("the sandbox zygote exited")
             if "exited" in message:
-                if message["exited"] == self.active:
+                if message["exited"] in self.active:
                     self.exits[message["exited"]] = (message["status"], message["cpu"], message["maxrss"])
                 return {}
             if "standby" not in message:
@@ -149,12 +149,12 @@ class _Zygote:
 
     def execute(self, spec: SandboxSpec) -> tuple[SandboxResult, float | None]:
         standby = self._take()
-        self.active = standby.ident
+        self.active.add(standby.ident)
         try:
             return self.runner.execute(standby, spec, self._remount, self._exit_status)
         finally:
-            self.active = None
-            self.exits.clear()
+            self.active.discard(standby.ident)
+            self.exits.pop(standby.ident, None)
             self._release(standby)
 
     def alive(self) -> bool:

@@ -436,9 +436,41 @@ class Zygote:
             if header is None:
                 os._exit(0)  # discarded without a job
             # Plain values, marshalled by the owner (trusted): no Python code runs to load them.
-            code, code_path, epilogue, command, key, limits = marshal.loads(
-                _read_exact(go_fd, JOB_LENGTH.unpack(header)[0]) or b"")
-            os.close(go_fd)
+            job = marshal.loads(_read_exact(go_fd, JOB_LENGTH.unpack(header)[0]) or b"")
+            code, code_path, epilogue, command, key, limits = job[:6]
+            session = len(job) > 6 and bool(job[6])
+            next_cell = None
+            if session:
+                # The go pipe stays open: the session's cells come through it, each JOB_LENGTH-prefixed
+                # marshal of a str. Read with C-level calls bound now (the cells' code can patch modules).
+                _read, _unpack, _loads, _size = os.read, JOB_LENGTH.unpack, marshal.loads, JOB_LENGTH.size
+                _len, _type, _str, _interrupt = len, type, str, KeyboardInterrupt
+
+                def read_exact(n: int) -> bytes | None:
+                    data = b""
+                    while _len(data) < n:
+                        try:
+                            chunk = _read(go_fd, n - _len(data))
+                        except _interrupt:  # a late SIGINT, meant for the cell before: nothing was read
+                            continue
+                        if not chunk:
+                            return None
+                        data += chunk
+                    return data
+
+                def next_cell() -> str | None:
+                    head = read_exact(_size)
+                    if head is None:
+                        return None
+                    body = read_exact(_unpack(head)[0])
+                    cell = None if body is None else _loads(body)
+                    return cell if _type(cell) is _str else None
+
+                # The owner interrupts a cell at its time limit with SIGINT: as the namespace's init this
+                # process receives only signals it handles (the cell may undo this; then it is killed).
+                signal.signal(signal.SIGINT, signal.default_int_handler)
+            else:
+                os.close(go_fd)
             cpu_seconds, max_file_bytes, max_open_files, max_processes, memory_bytes = limits
             # Lowering limits needs no privilege, so they are set after the drop, per job. RLIMIT_CPU counts
             # from the process start: add what the set-up already used. Soft = hard: as init we would ignore
@@ -453,7 +485,7 @@ class Zygote:
                 # count too) and per-process address space.
                 resource.setrlimit(resource.RLIMIT_NPROC, (max_processes, max_processes))
                 resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
-            return Job(code, code_path, load_epilogue(epilogue), command, key)
+            return Job(code, code_path, load_epilogue(epilogue), command, key, next_cell)
 
         run_harness(receive_job)  # gets ready, then waits for the job
 

@@ -1,0 +1,166 @@
+"""Sandbox sessions: state across the calls of one episode, none across episodes, and nothing left running.
+
+One attacked property per test: an episode cannot see the previous episode's variables or files; a session's
+processes are gone when its episode ends, when its deadline passes and after its owner is SIGKILLed; a cell
+that loops forever becomes a ``timeout`` and the session goes on (or, when it will not be interrupted, ends).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from sandboxes.session import SessionLimits, SessionPool, SessionSpec, sweep, write_lease
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def pool() -> Iterator[SessionPool]:
+    with SessionPool() as p:
+        if p.tier == "rlimits-only":
+            pytest.skip("sessions need the namespaces tier (root or user namespaces)")
+        yield p
+
+
+def processes_with(marker: str) -> list[int]:
+    """Live processes whose command line holds ``marker``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if marker.encode() in (entry / "cmdline").read_bytes():
+                    state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+                    if state != "Z":
+                        found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+def start_sleeper(session, marker: str) -> None:
+    """A detached grandchild that would sleep an hour (its argv carries the marker)."""
+    result = session.run(f"import subprocess\nsubprocess.Popen(['sleep', '3600.{marker}'], start_new_session=True)")
+    assert result.status == "ok", result
+    deadline = time.monotonic() + 5
+    while not processes_with(f"3600.{marker}"):
+        assert time.monotonic() < deadline, "the sleeper did not start"
+        time.sleep(0.05)
+
+
+def wait_gone(marker: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while processes_with(f"3600.{marker}"):
+        assert time.monotonic() < deadline, f"still running: {processes_with(f'3600.{marker}')}"
+        time.sleep(0.05)
+
+
+def test_variables_and_files_live_across_the_cells_of_a_session(pool):
+    with pool.session(SessionSpec(files={"data.txt": "abc"})) as s:
+        assert s.run("x = [1, 2]").status == "ok"
+        assert s.run("x.append(3)\nopen('notes.txt', 'w').write('kept')").status == "ok"
+        out = s.run("print(sum(x), open('notes.txt').read(), open('data.txt').read())")
+        assert (out.status, out.stdout) == ("ok", "6 kept abc\n")
+        failed = s.run("undefined_name")
+        assert failed.status == "error" and failed.error.startswith("NameError")
+        assert "harness" not in failed.stderr and "<cell" in failed.stderr  # the cell's traceback, not ours
+        assert s.run("print(len(x))").stdout == "3\n"  # an error does not lose the state
+
+
+def test_an_episode_cannot_see_the_previous_episodes_variables_or_files(pool):
+    with pool.session() as first:
+        first.run("secret = 'episode-one'\nopen('left.txt', 'w').write('episode-one')")
+        first_pid = first.pid
+    with pool.session() as second:
+        assert second.pid != first_pid
+        seen = second.run("import os\nprint('secret' in globals(), os.listdir('.'))")
+        assert seen.stdout == "False []\n", seen
+        probe = second.run(textwrap.dedent("""
+            import glob
+            hits = [p for p in glob.glob('/tmp/**', recursive=True) if 'left' in p]
+            print(hits)
+        """))
+        assert probe.stdout == "[]\n", probe
+
+
+def test_a_sessions_processes_are_gone_when_its_episode_ends(pool):
+    marker = str(uuid.uuid4().int)[:9]
+    session = pool.open()
+    start_sleeper(session, marker)
+    assert session.run("print('between cells the sleeper lives on')").status == "ok"
+    assert processes_with(f"3600.{marker}")
+    session.close()
+    assert processes_with(f"3600.{marker}") == [] and not os.path.exists(f"/proc/{session.pid}/stat")
+
+
+def test_a_session_past_its_deadline_is_killed_whatever_it_does(pool):
+    marker = str(uuid.uuid4().int)[:9]
+    session = pool.open(SessionSpec(limits=SessionLimits(deadline_seconds=2.0, cell_wall_seconds=1.0)))
+    start_sleeper(session, marker)
+    wait_gone(marker, timeout=6.0)  # nobody calls the session: the pool's watchdog kills it
+    after = session.run("print(1)")
+    assert after.status == "session_error" and "deadline" in (after.error or "")
+    session.close()
+
+
+def test_a_cell_that_loops_forever_is_a_timeout_and_the_session_goes_on(pool):
+    with pool.session(SessionSpec(limits=SessionLimits(cell_wall_seconds=0.5))) as s:
+        s.run("n = 41")
+        started = time.monotonic()
+        looped = s.run("while True:\n    pass")
+        assert looped.status == "timeout" and "interrupted" in (looped.error or "")
+        assert time.monotonic() - started < 3.0
+        assert s.run("n += 1\nprint(n)").stdout == "42\n"
+
+
+def test_a_cell_that_refuses_to_be_interrupted_ends_its_session(pool):
+    marker = str(uuid.uuid4().int)[:9]
+    with pool.session(SessionSpec(limits=SessionLimits(cell_wall_seconds=0.5))) as s:
+        start_sleeper(s, marker)
+        stuck = s.run("import signal\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\nwhile True:\n    pass")
+        assert stuck.status == "timeout" and "killed" in (stuck.error or "")
+        assert s.run("print(1)").status == "session_error"
+        wait_gone(marker, timeout=5.0)
+
+
+def test_a_session_dies_with_its_owner_and_the_sweeper_clears_what_is_left(tmp_path):
+    marker = str(uuid.uuid4().int)[:9]
+    owner = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {str(ROOT)!r})
+        from sandboxes.session import SessionPool
+        pool = SessionPool()
+        session = pool.open()
+        session.run("import subprocess; subprocess.Popen(['sleep', '3600.{marker}'], start_new_session=True)")
+        print(session.pid, flush=True)
+        time.sleep(3600)
+    """)], stdout=subprocess.PIPE, text=True)
+    assert owner.stdout is not None
+    pid = int(owner.stdout.readline())
+    assert processes_with(f"3600.{marker}") and os.path.exists(f"/proc/{pid}")
+    owner.kill()  # SIGKILL: nothing of the owner runs any more
+    owner.wait()
+    wait_gone(marker, timeout=10.0)
+    assert not os.path.exists(f"/proc/{pid}/stat") or (Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z")
+    # a lease its owner left behind is swept, and a live session it names would be killed
+    decoy = subprocess.Popen(["sleep", f"3600.{marker}9"])
+    try:
+        lease = write_lease(decoy.pid, time.time() - 10)  # its deadline passed
+        assert decoy.pid in sweep() and not lease.exists()
+        decoy.wait(5)
+    finally:
+        decoy.kill()
+
+
+def test_writing_outside_the_work_directory_is_refused(pool):
+    with pool.session() as s:
+        denied = s.run("open('/etc/temper-session-test', 'w')")
+        assert denied.status == "error" and ("Read-only" in denied.error or "Permission" in denied.error)
