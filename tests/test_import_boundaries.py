@@ -22,7 +22,7 @@ def roots(modules: set[str]) -> set[str]:
     return {m.split(".")[0] for m in modules}
 
 
-@pytest.mark.parametrize("package", ["sandboxes", "workers.domains", "workers.pipeline", "workers.policy",
+@pytest.mark.parametrize("package", ["sandboxes", "workers.domains", "workers.environments", "workers.pipeline", "workers.policy",
                                      "workers.verifiers"])
 def test_pure_packages_import_no_django_or_celery(package):
     code = f"import importlib, pkgutil, {package} as p\n" \
@@ -32,7 +32,8 @@ def test_pure_packages_import_no_django_or_celery(package):
     assert "django" not in loaded and "celery" not in loaded and "rest_framework" not in loaded
 
 
-@pytest.mark.parametrize("package", ["sandboxes", "workers.domains", "workers.pipeline", "workers.verifiers"])
+@pytest.mark.parametrize("package", ["sandboxes", "workers.domains", "workers.environments", "workers.pipeline",
+                                     "workers.verifiers"])
 def test_light_packages_import_no_torch(package):
     code = f"import importlib, pkgutil, {package} as p\n" \
            "for m in pkgutil.walk_packages(p.__path__, p.__name__ + '.'):\n" \

@@ -63,6 +63,9 @@ class Sample:
     version: int
     """Policy version that produced every token of this sample (0 = the base model)."""
     extra: dict[str, Any] = field(default_factory=dict)
+    mask: list[int] | None = None
+    """Loss mask over completion_token_ids: 1 where the policy sampled the token, 0 where it did not (an
+    environment's observation in a multi-turn episode). None: every completion token was sampled."""
 
 
 @runtime_checkable
@@ -73,6 +76,10 @@ class Engine(Protocol):
 
     def generate(self, prompts: list[str], sampling: SamplingParams) -> list[Sample]:
         """``len(prompts) * sampling.n`` samples, prompt-major."""
+        ...
+
+    def generate_ids(self, contexts: list[list[int]], sampling: SamplingParams) -> list[Sample]:
+        """The same from token-id contexts, continued exactly as given (token-in, token-out)."""
         ...
 
     def set_version(self, version_dir: str | Path | None) -> None:

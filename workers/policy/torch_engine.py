@@ -70,10 +70,16 @@ class TorchEngine:
         self.version = versions.read_version_number(version_dir)
 
     def generate(self, prompts: list[str], sampling: SamplingParams) -> list[Sample]:
+        return self._generate_rows(list(zip(prompts, encode_prompts(self.tokenizer, prompts), strict=True)), sampling)
+
+    def generate_ids(self, contexts: list[list[int]], sampling: SamplingParams) -> list[Sample]:
+        """Token-in, token-out: continue each context exactly as given (a multi-turn episode's history)."""
+        return self._generate_rows([("", list(ids)) for ids in contexts], sampling)
+
+    def _generate_rows(self, prompts: list[tuple[str, list[int]]], sampling: SamplingParams) -> list[Sample]:
         if sampling.n < 1 or sampling.max_tokens < 1:
             raise ValueError("sampling.n and sampling.max_tokens must be at least 1")
-        prompt_ids = encode_prompts(self.tokenizer, prompts)
-        rows = [(p, ids) for p, ids in zip(prompts, prompt_ids, strict=True) for _ in range(sampling.n)]
+        rows = [(p, ids) for p, ids in prompts for _ in range(sampling.n)]
         gen = self._generator
         if sampling.seed is not None:
             gen = torch.Generator(device=self.device).manual_seed(sampling.seed)

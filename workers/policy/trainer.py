@@ -140,6 +140,12 @@ class _Row:
     completion_ids: list[int]
     behav: list[float]
     advantage: float
+    mask: list[int] | None = None
+    """1 on tokens the policy sampled; None: all of them (see ``Sample.mask``)."""
+
+    @property
+    def trained_tokens(self) -> int:
+        return len(self.completion_ids) if self.mask is None else sum(self.mask)
 
 
 class Trainer:
@@ -220,7 +226,10 @@ class Trainer:
             for si, sample, _, a in valid:
                 if not sample.completion_token_ids:
                     continue
-                rows.append(_Row((gi, si), sample.prompt_token_ids, sample.completion_token_ids, sample.logprobs, a))
+                if sample.mask is not None and not any(sample.mask):
+                    continue  # nothing of it was sampled by the policy
+                rows.append(_Row((gi, si), sample.prompt_token_ids, sample.completion_token_ids, sample.logprobs, a,
+                                 sample.mask))
         if kept_rewards:
             metrics.reward_mean = sum(kept_rewards) / len(kept_rewards)
             metrics.advantage_abs_mean = sum(abs(r.advantage) for r in rows) / max(len(rows), 1)
@@ -247,7 +256,9 @@ class Trainer:
             gather[i, :n] = torch.arange(start, start + n)
             tokens[i, :n] = torch.tensor(r.completion_ids)
             behav[i, :n] = torch.tensor(r.behav[:n])
-            mask[i, :n] = 1
+            # the loss mask: 1 only on tokens the policy sampled, so every statistic of the loss (ratios,
+            # importance weights, KL, entropy, clipping) is taken over them and nothing else
+            mask[i, :n] = 1 if r.mask is None else torch.tensor(r.mask[:n], dtype=mask.dtype)
         adv = torch.tensor([r.advantage for r in rows])
         out = {
             "ids": ids,
@@ -330,7 +341,7 @@ class Trainer:
         }
         iw_max, iw_min, grad_norms = 0.0, float("inf"), []
         for mb_idx in minibatches:
-            mb_tokens = sum(len(rows[i].completion_ids) for i in mb_idx)
+            mb_tokens = sum(rows[i].trained_tokens for i in mb_idx)
             self.optimizer.zero_grad(set_to_none=True)
             nonfinite = False
             for start in range(0, len(mb_idx), cfg.micro_batch_size):
@@ -341,10 +352,13 @@ class Trainer:
                 prox_t = _pad_stack([prox[i] for i in idx], t).to(self.device)
                 logits = self._completion_logits(self.model, batch)
                 logp = losses.token_logprobs(logits, batch["tokens"], cfg.temperature)
-                per_token, clipped, weight = losses.decoupled_ppo_clip(
-                    logp, prox_t, batch["behav"], batch["adv"], cfg.clip_low, cfg.clip_high, cfg.iw_cap
-                )
                 mask = batch["mask"]
+                # Tokens the policy did not sample have no behaviour log-prob: give them the proximal one, so
+                # that nothing computed for them (a ratio, a weight, a KL) can overflow before the mask drops it.
+                behav = torch.where(mask.bool(), batch["behav"], prox_t)
+                per_token, clipped, weight = losses.decoupled_ppo_clip(
+                    logp, prox_t, behav, batch["adv"], cfg.clip_low, cfg.clip_high, cfg.iw_cap
+                )
                 entropy = losses.entropy_from_logits(logits, cfg.temperature)
                 if cfg.entropy_coef:
                     per_token = per_token - cfg.entropy_coef * entropy
@@ -364,7 +378,7 @@ class Trainer:
                 loss.backward()
                 sums["loss"] += float(loss.detach()) * mb_tokens
                 sums["clipped"] += float((clipped.float() * mask).sum())
-                sums["kl"] += float((losses.kl_k3(prox_t, batch["behav"]) * mask).sum())
+                sums["kl"] += float((losses.kl_k3(prox_t, behav) * mask).sum())
                 sums["entropy"] += float((entropy.detach() * mask).sum())
                 sums["iw"] += float((weight * mask).sum())
                 sums["tokens"] += float(mask.sum())

@@ -100,12 +100,18 @@ class VLLMEngine:
         self.version = meta.version
 
     def generate(self, prompts: list[str], sampling: SamplingParams) -> list[Sample]:
+        return self._generate(prompts, encode_prompts(self.tokenizer, prompts), sampling)
+
+    def generate_ids(self, contexts: list[list[int]], sampling: SamplingParams) -> list[Sample]:
+        """Token-in, token-out: continue each context exactly as given (a multi-turn episode's history)."""
+        return self._generate([""] * len(contexts), [list(ids) for ids in contexts], sampling)
+
+    def _generate(self, prompts: list[str], prompt_ids: list[list[int]], sampling: SamplingParams) -> list[Sample]:
         from vllm import SamplingParams as VllmSamplingParams
         from vllm import TokensPrompt
 
         if sampling.n < 1 or sampling.max_tokens < 1:
             raise ValueError("sampling.n and sampling.max_tokens must be at least 1")
-        prompt_ids = encode_prompts(self.tokenizer, prompts)
         # One request per prompt with n samples; per-request seeds keep results independent of batching.
         base_seed = sampling.seed if sampling.seed is not None else self.seed * 1_000_003 + self._calls
         self._calls += 1

@@ -135,10 +135,10 @@ def busy(run_id: int | None) -> Iterator[Timer]:
             _busy_total += timer.seconds
         if run_id is not None:
             try:
-                client = _redis()
-                client.incrbyfloat(f"temper:run:{run_id}:busy", timer.seconds)
-                client.register_script(_DECAYED_ADD)(keys=[_usage_key(run_id)],
-                                                     args=[time.time(), timer.seconds, USAGE_TAU_S])
+                with _redis().pipeline(transaction=False) as pipe:  # one round trip
+                    pipe.incrbyfloat(f"temper:run:{run_id}:busy", timer.seconds)
+                    pipe.eval(_DECAYED_ADD, 1, _usage_key(run_id), time.time(), timer.seconds, USAGE_TAU_S)
+                    pipe.execute()
             except Exception:  # telemetry must never fail the work
                 pass
 

@@ -101,12 +101,11 @@ def finish(run: Run, step: int, groups: list[PromptGroup], *, version_path: Path
             defaults={"parent": parent, "step": step, "path": str(version_path), "metrics": metrics})
         PromptGroup.objects.filter(pk__in=[g.pk for g in groups], status=G.TRAINING).update(
             status=G.TRAINED, holder="", updated_at=timezone.now())
-        Trajectory.objects.filter(run=run, group_key__in=[g.key for g in groups]).update(trained_step=step)
-        by_value: dict[tuple[float | None, bool | None], list[int]] = {}
-        for tid, fact in facts.items():
-            by_value.setdefault(fact, []).append(tid)
-        for (advantage, clipped), ids in by_value.items():
-            Trajectory.objects.filter(pk__in=ids).update(advantage=advantage, clipped=clipped)
+        # one statement for every sample of the batch: its step, its advantage, whether it was clipped
+        Trajectory.objects.bulk_update(
+            [Trajectory(pk=tid, trained_step=step, advantage=advantage, clipped=clipped)
+             for tid, (advantage, clipped) in facts.items()],
+            ["trained_step", "advantage", "clipped"], batch_size=1000)
         state = dict(locked.state)
         for key in TRAIN_CLAIM_KEYS:
             state.pop(key, None)

@@ -1,0 +1,170 @@
+"""The environment protocol: one object per episode, text in and text out.
+
+    env = make_environment("python_tool", params, judge=verifier_judge)
+    first = env.start(task, seed, session)          # the first observation: what the model is shown
+    obs = env.step(model_text)                      # (text, done, status, info) after each model turn
+    env.close()                                     # always (the runner guarantees it); then
+    verdict = env.score(transcript)                 # no session needed: the transcript holds the task
+
+An environment object lives for one episode and is discarded after it (shared objects leaked state from
+one episode into the next elsewhere: verifiers PR #1067). ``score`` is computed outside the session, from
+the transcript and the task the environment holds — never from a file the model could write in the
+session (OpenEnv #1199). A malformed action is an observation with status ``parse_error``, counted, never
+an exception; a tool that fails is ``tool_error``; a tool that runs past its limit is ``timeout``.
+
+Registered by name in ``ENVIRONMENTS`` (a literal name → dotted path table) and imported lazily; each
+declares its parameters as a pydantic ``Params`` model, validated when a domain names the environment and
+shown on the domain page.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal, Protocol
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from workers.verifiers.base import Verdict, format_validation_error
+
+ObservationStatus = Literal["ok", "done", "tool_error", "parse_error", "timeout", "env_error"]
+StopReason = Literal["done", "max_turns", "context", "timeout", "env_error", "session_error"]
+STOP_REASONS: tuple[StopReason, ...] = ("done", "max_turns", "context", "timeout", "env_error", "session_error")
+
+
+@dataclass(frozen=True)
+class EnvTask:
+    """The task an episode acts on (what the domain stores)."""
+
+    prompt: str
+    """The rendered prompt (the domain's template applied)."""
+    reference: Any = None
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+    kind: str | None = None
+
+
+@dataclass(frozen=True)
+class Observation:
+    text: str
+    done: bool = False
+    status: ObservationStatus = "ok"
+    info: Mapping[str, Any] = field(default_factory=dict)
+    """What a transcript records of the step: the tool's name, its arguments, its result, its latency."""
+
+
+@dataclass
+class Turn:
+    """One turn of an episode: the model's or the environment's, with its token span [start, end) in the
+    episode's completion ids (after the prompt)."""
+
+    role: Literal["model", "env"]
+    text: str
+    start: int
+    end: int
+    status: str = "ok"
+    latency_s: float = 0.0
+    tool: str | None = None
+    args: str | None = None
+    version: int | None = None
+    """The policy version that sampled a model turn (an episode may span versions)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"role": self.role, "text": self.text, "start": self.start, "end": self.end,
+                               "status": self.status, "latency_s": round(self.latency_s, 6)}
+        for name in ("tool", "args", "version"):
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Turn:
+        return cls(role=data["role"], text=data["text"], start=int(data["start"]), end=int(data["end"]),
+                   status=str(data.get("status", "ok")), latency_s=float(data.get("latency_s", 0.0)),
+                   tool=data.get("tool"), args=data.get("args"), version=data.get("version"))
+
+
+@dataclass
+class Transcript:
+    """An episode as scoring needs it: the task it acted on, its turns and why it stopped. ``score`` needs
+    nothing else, so an episode can be scored on another worker than the one that ran it."""
+
+    task: EnvTask
+    turns: list[Turn]
+    stop_reason: StopReason
+
+    @property
+    def model_texts(self) -> list[str]:
+        return [t.text for t in self.turns if t.role == "model"]
+
+    @property
+    def final_text(self) -> str:
+        """The model's last turn (what a single-turn verifier judges)."""
+        texts = self.model_texts
+        return texts[-1] if texts else ""
+
+
+class Environment(Protocol):
+    name: ClassVar[str]
+    needs_session: ClassVar[bool]
+    stop: ClassVar[tuple[str, ...]]
+    """Strings that end a model turn (a tool call's closing tag), besides the end-of-sequence token."""
+
+    def start(self, task: EnvTask, seed: int, session: Any | None) -> Observation: ...
+
+    def step(self, action: str) -> Observation: ...
+
+    def score(self, transcript: Transcript) -> Verdict: ...
+
+    def close(self) -> None: ...
+
+
+Judge = Callable[[EnvTask, str], Verdict]
+"""(task, completion) -> verdict: the domain's verifier on the task's reference."""
+
+
+class EnvParams(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class EnvironmentError_(ValueError):
+    """An environment name or its parameters are wrong; ``problems`` holds "field: reason" lines."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = problems
+        super().__init__("; ".join(problems))
+
+
+ENVIRONMENTS: dict[str, str] = {
+    "single_turn": "workers.environments.single_turn:SingleTurn",
+    "python_tool": "workers.environments.python_tool:PythonTool",
+}
+
+
+def environment_class(name: str) -> type[Any]:
+    if name not in ENVIRONMENTS:
+        raise EnvironmentError_([f"environment: unknown environment {name!r}; known: {', '.join(ENVIRONMENTS)}"])
+    module, _, attr = ENVIRONMENTS[name].partition(":")
+    cls: type[Any] = getattr(importlib.import_module(module), attr)
+    return cls
+
+
+def validate_params(name: str, params: Mapping[str, Any] | None) -> EnvParams:
+    cls = environment_class(name)
+    try:
+        validated: EnvParams = cls.Params.model_validate(dict(params or {}))
+    except ValidationError as exc:
+        raise EnvironmentError_([f"environment_params.{line}" for line in format_validation_error(exc)]) from None
+    return validated
+
+
+def params_schema(name: str) -> dict[str, Any]:
+    schema: dict[str, Any] = environment_class(name).Params.model_json_schema()
+    return schema
+
+
+def make_environment(name: str, params: Mapping[str, Any] | None, judge: Judge) -> Environment:
+    """A new environment object for one episode."""
+    cls = environment_class(name)
+    env: Environment = cls(validate_params(name, params), judge)
+    return env

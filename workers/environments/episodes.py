@@ -1,0 +1,215 @@
+"""The episode runner: many episodes at once, token-in and token-out, ending each by its limits.
+
+Each round generates the next model turn of every active episode in one batch (``generate`` takes token-id
+contexts), then steps each episode's environment with that turn. What the model sampled is kept exactly
+(its ids and behaviour log-probs, never re-encoded from text); each observation is tokenized once
+(``encode``, no special tokens) and appended. The loss mask is 1 on sampled tokens only, 0 on the prompt
+and on every observation, so the trainer learns from the model's own tokens and nothing else. The turn
+spans tile the completion ids: model spans, then environment spans, with no gap.
+
+Limits end episodes, never runs: ``max_turns``; ``max_tokens_per_turn``; the model's context budget (a turn
+gets at most what is left; an observation that does not fit ends the episode: ``context``); the episode
+deadline (``timeout``). A per-step timeout inside a tool is the environment's observation (its session's
+cell limit); an environment that raises ends its episode with ``env_error``. ``close()`` is always called.
+
+Pure: no Django, no torch — the engine comes as callables.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from workers.environments.base import Environment, EnvTask, Observation, StopReason, Transcript, Turn
+
+
+@dataclass(frozen=True)
+class EpisodeLimits:
+    max_turns: int = 4
+    """Model turns per episode."""
+    max_tokens_per_turn: int = 32
+    context_tokens: int = 4096
+    """The model's context: prompt, every turn and every observation together."""
+    deadline_s: float = 120.0
+
+
+@dataclass(frozen=True)
+class Generated:
+    """One model turn as the engine sampled it."""
+
+    ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    version: int
+
+
+Generate = Callable[[list[list[int]], int, tuple[str, ...]], list[Generated]]
+"""(contexts, max new tokens, stop strings) -> one turn per context."""
+
+
+@dataclass
+class Episode:
+    env: Environment
+    task: EnvTask
+    seed: int = 0
+    session: Any = None
+    prompt_ids: list[int] = field(default_factory=list)
+    completion_ids: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    turns: list[Turn] = field(default_factory=list)
+    stop_reason: StopReason | None = None
+    model_turns: int = 0
+    started: float = 0.0
+
+    @property
+    def done(self) -> bool:
+        return self.stop_reason is not None
+
+    @property
+    def context(self) -> list[int]:
+        return self.prompt_ids + self.completion_ids
+
+    @property
+    def transcript(self) -> Transcript:
+        return Transcript(self.task, self.turns, self.stop_reason or "done")
+
+    @property
+    def versions(self) -> list[int]:
+        return sorted({t.version for t in self.turns if t.version is not None})
+
+    def append(self, role: str, ids: list[int], text: str, *, logprobs: list[float] | None = None,
+               obs: Observation | None = None, version: int | None = None, latency_s: float = 0.0) -> None:
+        start = len(self.completion_ids)
+        self.completion_ids += ids
+        self.mask += [1 if role == "model" else 0] * len(ids)
+        self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
+        info = dict(obs.info) if obs is not None else {}
+        self.turns.append(Turn(role=role, text=text, start=start, end=len(self.completion_ids),  # type: ignore[arg-type]
+                               status=obs.status if obs is not None else "ok",
+                               latency_s=float(info.get("latency_s", latency_s)),
+                               tool=info.get("tool"), args=info.get("args"), version=version))
+
+
+def run_episodes(episodes: Sequence[Episode], generate: Generate, encode_prompt: Callable[[str], list[int]],
+                 encode: Callable[[str], list[int]], decode: Callable[[list[int]], str],
+                 limits: EpisodeLimits) -> list[Episode]:
+    """Run every episode to its end; each environment is closed whatever happens."""
+    try:
+        for ep in episodes:
+            ep.started = time.monotonic()
+            try:
+                first = ep.env.start(ep.task, ep.seed, ep.session)
+            except Exception as exc:
+                ep.stop_reason = "env_error"
+                ep.turns.append(Turn("env", f"{type(exc).__name__}: {exc}"[:500], 0, 0, status="env_error"))
+                continue
+            ep.prompt_ids = encode_prompt(first.text)
+            if first.done:
+                ep.stop_reason = "env_error" if first.status == "env_error" else "done"
+            elif len(ep.prompt_ids) >= limits.context_tokens:
+                ep.stop_reason = "context"
+        while True:
+            active = [ep for ep in episodes if not ep.done]
+            if not active:
+                break
+            by_budget: dict[tuple[int, tuple[str, ...]], list[Episode]] = {}
+            for ep in active:
+                if time.monotonic() - ep.started >= limits.deadline_s:
+                    ep.stop_reason = "timeout"
+                    continue
+                budget = min(limits.max_tokens_per_turn, limits.context_tokens - len(ep.context))
+                if budget <= 0:
+                    ep.stop_reason = "context"
+                    continue
+                by_budget.setdefault((budget, tuple(ep.env.stop)), []).append(ep)
+            for (budget, stop), group in by_budget.items():
+                outs = generate([ep.context for ep in group], budget, stop)
+                for ep, out in zip(group, outs, strict=True):
+                    _take_turn(ep, out, budget, encode, decode, limits)
+    finally:
+        for ep in episodes:
+            with contextlib.suppress(Exception):  # closing must not lose the episodes
+                ep.env.close()
+    return list(episodes)
+
+
+def _take_turn(ep: Episode, out: Generated, budget: int, encode: Callable[[str], list[int]],
+               decode: Callable[[list[int]], str], limits: EpisodeLimits) -> None:
+    text = decode(out.ids)
+    ep.append("model", out.ids, text, logprobs=out.logprobs, version=out.version)
+    ep.model_turns += 1
+    try:
+        obs = ep.env.step(text)
+    except Exception as exc:  # an environment's own failure ends its episode, never the batch
+        ep.turns[-1].status = "env_error"
+        ep.stop_reason = "env_error"
+        ep.turns.append(Turn("env", f"{type(exc).__name__}: {exc}"[:500], len(ep.completion_ids),
+                             len(ep.completion_ids), status="env_error"))
+        return
+    if obs.done:
+        ep.stop_reason = "env_error" if obs.status == "env_error" else "done"
+        if obs.text:
+            ep.append("env", encode(obs.text), obs.text, obs=obs)
+        return
+    obs_ids = encode(obs.text)
+    if len(ep.context) + len(obs_ids) >= limits.context_tokens:
+        ep.stop_reason = "context"  # the observation does not fit: the episode ends before it
+        return
+    ep.append("env", obs_ids, obs.text, obs=obs)
+    if ep.model_turns >= limits.max_turns:
+        ep.stop_reason = "max_turns"
+    elif out.finish_reason == "length" and budget < limits.max_tokens_per_turn:
+        ep.stop_reason = "context"
+
+
+def check_invariants(prompt_ids: list[int], completion_ids: list[int], mask: list[int], turns: Sequence[Turn],
+                     decode: Callable[[list[int]], str] | None = None) -> list[str]:
+    """What must hold of every stored episode (an empty list when it does): the turn spans tile the
+    completion ids; the mask is 1 exactly on model spans; each model span decodes to its turn's text."""
+    problems = []
+    if len(mask) != len(completion_ids):
+        problems.append(f"mask has {len(mask)} entries for {len(completion_ids)} tokens")
+    position = 0
+    for i, turn in enumerate(turns):
+        if turn.start != position or turn.end < turn.start:
+            problems.append(f"turn {i} spans [{turn.start}, {turn.end}) but the previous ended at {position}")
+        position = turn.end
+        want = 1 if turn.role == "model" else 0
+        if any(m != want for m in mask[turn.start:turn.end]):
+            problems.append(f"turn {i} ({turn.role}) has mask values other than {want}")
+        if decode is not None and turn.role == "model" and decode(completion_ids[turn.start:turn.end]) != turn.text:
+            problems.append(f"turn {i}: its tokens do not decode to its text")
+    if position != len(completion_ids):
+        problems.append(f"the turns cover {position} of {len(completion_ids)} tokens")
+    del prompt_ids
+    return problems
+
+
+def engine_io(engine: Any, temperature: float = 1.0, top_p: float = 1.0
+              ) -> tuple[Generate, Callable[[str], list[int]], Callable[[str], list[int]], Callable[[list[int]], str]]:
+    """An engine (``workers.policy.engines.Engine``) as the runner's callables: generate from token ids,
+    encode the first observation as a prompt (special tokens, the chat template when there is one), encode
+    later observations plainly (no special tokens: appended as they are), decode without special tokens."""
+    from workers.policy.engines import SamplingParams, encode_prompts
+
+    tokenizer = engine.tokenizer
+
+    def generate(contexts: list[list[int]], max_tokens: int, stop: tuple[str, ...]) -> list[Generated]:
+        samples = engine.generate_ids(contexts, SamplingParams(n=1, temperature=temperature, top_p=top_p,
+                                                               max_tokens=max_tokens, stop=stop))
+        return [Generated(s.completion_token_ids, s.logprobs, s.finish_reason, s.version) for s in samples]
+
+    def encode_prompt(text: str) -> list[int]:
+        return encode_prompts(tokenizer, [text])[0]
+
+    def encode(text: str) -> list[int]:
+        return list(tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(ids: list[int]) -> str:
+        return str(tokenizer.decode(ids, skip_special_tokens=True))
+
+    return generate, encode_prompt, encode, decode
