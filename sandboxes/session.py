@@ -411,6 +411,7 @@ class SessionPool:
         from sandboxes.pool import _Zygote
 
         sweep()
+        self.owner_pid = os.getpid()
         self.zygote = _Zygote("python", None)
         self.tier = self.zygote.tier
         self._lock = threading.Lock()
@@ -485,3 +486,16 @@ class SessionPool:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+
+
+_default: SessionPool | None = None
+_default_lock = threading.Lock()
+
+
+def default_pool() -> SessionPool:
+    """The process-wide session pool (created on first use; a forked child makes its own)."""
+    global _default
+    with _default_lock:
+        if _default is None or _default._closed or _default.owner_pid != os.getpid():
+            _default = SessionPool()
+        return _default

@@ -72,6 +72,8 @@ class TaskDomainAdminForm(forms.ModelForm):
         data = super().clean() or {}
         for name, messages in check_domain(kind=data.get("kind", self.instance.kind), verifier=data.get("verifier"),
                                            prompt_template=data.get("prompt_template", ""),
+                                           environment=data.get("environment", "single_turn"),
+                                           environment_params=data.get("environment_params"),
                                            domain=self.instance if self.instance.pk else None).items():
             for message in messages:
                 self.add_error(name if name in self.fields else None, message)

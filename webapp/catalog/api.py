@@ -161,11 +161,12 @@ class TaskDomainSerializer(OwnedSerializer):
     verifier = serializers.PrimaryKeyRelatedField(queryset=Verifier.objects.all(), allow_null=True, required=False)
     sandbox_limits = JSONObjectField(required=False, help_text="Overrides of the sandbox limits for this domain")
     sampling_defaults = JSONObjectField(required=False, help_text="Default sampling settings for this domain")
+    environment_params = JSONObjectField(required=False, help_text="The environment's parameters (validated by it)")
 
     class Meta:
         model = TaskDomain
         fields = ["id", "name", "kind", "description", "verifier", "prompt_template", "system_prompt",
-                  "sandbox_limits", "sampling_defaults", "heldout_fraction", "task_count", "heldout_count",
+                  "environment", "environment_params", "sandbox_limits", "sampling_defaults", "heldout_fraction", "task_count", "heldout_count",
                   "created_at", "updated_at"]
         read_only_fields = ["task_count", "heldout_count"]
 
@@ -188,6 +189,8 @@ class TaskDomainSerializer(OwnedSerializer):
             kind=attrs.get("kind", getattr(current, "kind", "answer")),
             verifier=attrs["verifier"] if "verifier" in attrs else getattr(current, "verifier", None),
             prompt_template=attrs.get("prompt_template", getattr(current, "prompt_template", "")),
+            environment=attrs.get("environment", getattr(current, "environment", "single_turn")),
+            environment_params=attrs.get("environment_params", getattr(current, "environment_params", {})),
             domain=current)
         if problems:
             raise serializers.ValidationError(problems)

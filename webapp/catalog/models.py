@@ -153,6 +153,12 @@ class TaskDomain(OwnedModel):
         blank=True, help_text="What the model sees: {prompt}, the kind's visible fields ({context}, {files}, …) and "
                               "{metadata.<key>}. Empty: the kind's default")
     system_prompt = models.TextField(blank=True, help_text="Put before every prompt of the domain")
+    environment = models.CharField(
+        max_length=64, default="single_turn",
+        help_text="What an episode of a task is: single_turn (one completion, judged), or a multi-turn "
+                  "environment such as python_tool (the model runs code in a sandbox session before it answers)")
+    environment_params = models.JSONField(default=dict, blank=True,
+                                          help_text="The environment's parameters (validated by it)")
     sandbox_limits = models.JSONField(default=dict, blank=True)
     sampling_defaults = models.JSONField(default=dict, blank=True)
     heldout_fraction = models.FloatField(

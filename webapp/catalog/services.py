@@ -24,10 +24,12 @@ do_import_tasks = import_tasks
 
 
 def check_domain(*, kind: str, verifier: Verifier | None, prompt_template: str = "",
-                 domain: TaskDomain | None = None) -> dict[str, list[str]]:
+                 domain: TaskDomain | None = None, environment: str = "single_turn",
+                 environment_params: dict[str, Any] | None = None) -> dict[str, list[str]]:
     """Problems of a domain's settings, by field (empty when it is fine). The API, the pages and the admin
     all ask this one function: a verifier that cannot judge the kind, a template naming a field the kind
-    does not show, a kind changed under tasks already stored in the old kind's shape."""
+    does not show, an unknown environment or parameters it refuses, a kind changed under tasks already
+    stored in the old kind's shape."""
     from workers.domains.kinds import attach_problem
     from workers.domains.prompts import check_template
 
@@ -36,6 +38,13 @@ def check_domain(*, kind: str, verifier: Verifier | None, prompt_template: str =
         problems["verifier"] = [f"{verifier.name!r}: {why}"]
     if template_problems := check_template(kind, prompt_template):
         problems["prompt_template"] = template_problems
+    from workers.environments.base import EnvironmentError_, validate_params
+
+    try:
+        validate_params(environment, environment_params)
+    except EnvironmentError_ as exc:
+        field = "environment" if any(p.startswith("environment:") for p in exc.problems) else "environment_params"
+        problems[field] = [p.split(": ", 1)[-1] if field == "environment" else p for p in exc.problems]
     if domain is not None and domain.pk and kind != domain.kind and domain.tasks.exists():
         problems["kind"] = [f"the domain already holds {domain.task_count} {domain.kind} task(s); a kind cannot "
                             "change under them: create a new domain"]

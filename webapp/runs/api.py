@@ -303,14 +303,14 @@ class TrajectorySerializer(serializers.ModelSerializer):
         fields = ["id", "run", "task", "domain", "group_key", "sample_index", "version", "prompt", "completion",
                   "prompt_token_ids", "completion_token_ids", "behaviour_logprobs", "finish_reason", "verdict",
                   "reward", "verdict_reason", "verifier_details", "sandbox", "verify_latency_ms", "advantage",
-                  "clipped", "trained_step", "is_eval", "created_at"]
+                  "clipped", "trained_step", "is_eval", "turns", "stop_reason", "created_at"]
 
 
 class TrajectoryListSerializer(TrajectorySerializer):
     class Meta(TrajectorySerializer.Meta):
         fields = ["id", "run", "task", "domain", "group_key", "sample_index", "version", "prompt", "completion",
                   "finish_reason", "verdict", "reward", "verdict_reason", "advantage", "clipped", "trained_step",
-                  "created_at"]
+                  "stop_reason", "created_at"]
 
 
 class TrajectoryFilter(filters.FilterSet):

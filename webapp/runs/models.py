@@ -260,6 +260,13 @@ class Trajectory(models.Model):
     completion_token_ids: models.JSONField[Any, Any] = models.JSONField(default=list, blank=True)
     behaviour_logprobs: models.JSONField[Any, Any] = models.JSONField(default=list, blank=True)
     finish_reason = models.CharField(max_length=16, blank=True)
+    turns: models.JSONField[Any, Any] = models.JSONField(
+        default=list, blank=True,
+        help_text="A multi-turn episode's turns (role, text, token span, status, latency, tool, arguments, "
+                  "version), tiling completion_token_ids; empty for a single turn")
+    stop_reason = models.CharField(max_length=16, blank=True,
+                                   help_text="Why an episode stopped: done, max_turns, context, timeout, env_error, "
+                                             "session_error")
     verdict = models.CharField(max_length=8, choices=VerdictChoice.choices, default=VerdictChoice.PENDING)
     reward = models.FloatField(null=True, blank=True)
     verdict_reason = models.TextField(blank=True)

@@ -41,6 +41,7 @@ def domain_new(request: HttpRequest) -> HttpResponse:
                 owner=_owner(request), name=data["name"], kind=data["kind"], description=data["description"],
                 verifier=data["verifier"], heldout_fraction=data["heldout_fraction"],
                 prompt_template=data["prompt_template"], system_prompt=data["system_prompt"],
+                environment=data["environment"], environment_params=data["environment_params"],
             )
         except IntegrityError:
             form.add_error("name", "a domain with this name already exists")

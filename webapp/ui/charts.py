@@ -33,6 +33,10 @@ CHARTS: list[dict[str, Any]] = [
     {"id": "quality", "title": "Invalid, zero-variance and truncated shares",
      "names": ["invalid_rate", "zero_variance_share", "truncation_rate", "nonfinite"], "y": "share",
      "range": [0, 1.05]},
+    {"id": "episodes", "title": "Episodes per domain: turns, tool calls, tool and parse errors, environment tokens, "
+                                "stop reasons",
+     "names": ["turns_mean", "tool_call_rate", "tool_error_rate", "parse_error_rate", "env_token_share"],
+     "prefixes": ["stop_", "tool_latency_s_"], "y": "value"},
     {"id": "other", "title": "Other metrics", "names": [], "other": True, "y": "value"},
 ]
 

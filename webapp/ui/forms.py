@@ -18,6 +18,7 @@ from pydantic.fields import FieldInfo
 
 from webapp.catalog.models import BaseModel, DomainKind, TaskDomain, Verifier, VerifierKind
 from webapp.runs.models import Engine
+from workers.environments.base import ENVIRONMENTS
 from workers.pipeline.spec import RunSpec
 
 SPEC_PREFIX = "spec__"
@@ -145,12 +146,19 @@ class DomainForm(forms.Form):
                   "{metadata.<key>}; empty: the kind's default")
     system_prompt = forms.CharField(widget=forms.Textarea(attrs={"rows": 2}), required=False,
                                     help_text="put before every prompt of the domain")
+    environment = forms.ChoiceField(choices=[(name, name) for name in ENVIRONMENTS], initial="single_turn",
+                                    required=False,
+                                    help_text="single_turn: one completion, judged; python_tool: the model may run "
+                                              "Python in a sandbox session before it answers")
+    environment_params = forms.CharField(widget=forms.Textarea(attrs={"rows": 2, "class": "mono"}), required=False,
+                                         initial="{}", help_text="the environment's parameters as JSON")
     heldout_fraction = forms.FloatField(initial=0.1, min_value=0.0, max_value=0.9,
                                         help_text="share of imported tasks kept out of training for evaluation")
 
     def __init__(self, *args: Any, user: Any, instance: TaskDomain | None = None, **kwargs: Any) -> None:
         if instance is not None and not args and "initial" not in kwargs:
             kwargs["initial"] = {f: getattr(instance, f) for f in self.base_fields}
+            kwargs["initial"]["environment_params"] = json.dumps(instance.environment_params)
         super().__init__(*args, **kwargs)
         self.user, self.instance = user, instance
         field = self.fields["verifier"]
@@ -166,13 +174,26 @@ class DomainForm(forms.Form):
             raise forms.ValidationError(f"you already have a domain named {name!r}")
         return name
 
+    def clean_environment_params(self) -> dict[str, Any]:
+        text = self.cleaned_data.get("environment_params") or "{}"
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise forms.ValidationError(f"not JSON: {exc.msg} at column {exc.colno}") from None
+        if not isinstance(value, dict):
+            raise forms.ValidationError("the parameters must be a JSON object")
+        return value
+
     def clean(self) -> dict[str, Any]:
         from webapp.catalog.services import check_domain
 
         data = super().clean() or {}
+        data["environment"] = data.get("environment") or "single_turn"
         if "kind" in data:
             for name, messages in check_domain(kind=data["kind"], verifier=data.get("verifier"),
                                                prompt_template=data.get("prompt_template", ""),
+                                               environment=data.get("environment", "single_turn"),
+                                               environment_params=data.get("environment_params"),
                                                domain=self.instance).items():
                 for message in messages:
                     self.add_error(name if name in self.fields else None, message)

@@ -61,6 +61,22 @@ class PipelineSpec(BaseModel):
     )
 
 
+class EpisodeSpec(BaseModel):
+    """Limits of a multi-turn episode (domains whose environment is not single_turn). They end episodes,
+    never the run; each episode records why it stopped."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    max_turns: int = Field(4, ge=1, le=256, description="Model turns per episode")
+    max_tokens_per_turn: int | None = Field(
+        None, ge=1, le=32768, description="Tokens per model turn (default: sampling.max_tokens)")
+    context_tokens: int | None = Field(
+        None, ge=16, description="The model's context for a whole episode (default: the base model's)")
+    deadline_seconds: float = Field(60.0, gt=0, le=3600, description="Wall time of one episode")
+    tool_seconds: float = Field(2.0, gt=0, le=600, description="Wall time of one tool call (then a timeout "
+                                                                "observation, and the episode goes on)")
+
+
 class RunSpec(BaseModel):
     """Everything that decides what a run does; stored on the run as JSON."""
 
@@ -69,6 +85,7 @@ class RunSpec(BaseModel):
     algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec)  # type: ignore[arg-type]
     pipeline: PipelineSpec = Field(default_factory=PipelineSpec)  # type: ignore[arg-type]
     sampling: SamplingSpec = Field(default_factory=SamplingSpec)  # type: ignore[arg-type]
+    episode: EpisodeSpec = Field(default_factory=EpisodeSpec)  # type: ignore[arg-type]
     max_steps: int = Field(200, ge=1, le=10_000_000, description="Train steps before the run completes")
     target_reward: float | None = Field(
         None, ge=0.0, le=1.0, description="Complete early once held-out reward reaches this"

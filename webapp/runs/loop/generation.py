@@ -52,6 +52,9 @@ class SampleRow:
     logprobs: list[float]
     finish_reason: str
     version: int
+    turns: tuple[dict[str, Any], ...] = ()
+    """A multi-turn episode's turns (tiling completion_token_ids); empty for a single turn."""
+    stop_reason: str = ""
 
 
 def write_samples(run_id: int, groups: dict[int, PromptGroup], rows: list[SampleRow], *,
@@ -67,17 +70,21 @@ def write_samples(run_id: int, groups: dict[int, PromptGroup], rows: list[Sample
                        group_key=groups[r.group_id].key, sample_index=r.index, version=r.version, prompt=r.prompt,
                        completion=r.completion, prompt_token_ids=r.prompt_token_ids,
                        completion_token_ids=r.completion_token_ids, behaviour_logprobs=r.logprobs,
-                       finish_reason=r.finish_reason)
+                       finish_reason=r.finish_reason, turns=list(r.turns), stop_reason=r.stop_reason)
             for r in rows
         ], ignore_conflicts=True)
         # one statement for every group of the batch: G samples each, all under the same version
         per_group: dict[int, int] = {}
         for r in rows:
             per_group[r.group_id] = per_group.get(r.group_id, 0) + 1
-        version = rows[0].version if rows else 0
+        # a group's version is its oldest token's (an episode may span versions): staleness is bounded by it
+        oldest: dict[int, int] = {}
+        for r in rows:
+            oldest[r.group_id] = min(oldest.get(r.group_id, r.version), r.version)
         share = None if generate_s is None else generate_s / max(1, len(per_group))
-        for n in set(per_group.values()):
-            PromptGroup.objects.filter(pk__in=[g for g, k in per_group.items() if k == n], status=G.GENERATING).update(
+        for n, version in {(per_group[g], oldest[g]) for g in per_group}:
+            PromptGroup.objects.filter(pk__in=[g for g, k in per_group.items() if k == n and oldest[g] == version],
+                                       status=G.GENERATING).update(
                 status=G.VERIFYING, n_samples=n, generated_version=version, generate_s=share, generate_wait_s=wait_s,
                 holder="", updated_at=timezone.now())
 
@@ -109,24 +116,99 @@ def generate(run_id: int, group_ids: list[int], holder: str) -> int:
     spec = RunSpec.model_validate(run.spec)
     group_size = spec.pipeline.group_size
     resident.after_training(run_id)
-    prompts = [g.domain.render_prompt(g.task.prompt, g.task.reference, g.task.metadata) if g.task and g.domain
-               else "" for g in groups]
+    single = [g for g in groups if not g.domain or g.domain.environment == "single_turn"]
+    episodic = [g for g in groups if g.domain and g.domain.environment != "single_turn"]
     engine = load_engine(run, spec)
-    with live.on_device(run_id) as timer:  # switching to the newest version is device work too
-        # the newest version now that this task holds the device (a train step may just have finished)
-        latest = Run.objects.filter(pk=run_id).values_list("latest_version", flat=True).get()
-        resident.serve(engine, run_id, latest, paths.version_dir(run.pk, latest))  # this run's own version
-        samples = engine.generate(prompts, sampling(spec, group_size))
-    rows = [SampleRow(group_id=groups[i // group_size].pk, index=i % group_size, prompt=s.prompt,
-                      completion=s.text, prompt_token_ids=s.prompt_token_ids,
-                      completion_token_ids=s.completion_token_ids, logprobs=s.logprobs,
-                      finish_reason=s.finish_reason, version=s.version)
-            for i, s in enumerate(samples)]
+    rows: list[SampleRow] = []
+    device_s = 0.0
+    if single:
+        prompts = [g.domain.render_prompt(g.task.prompt, g.task.reference, g.task.metadata) if g.task and g.domain
+                   else "" for g in single]
+        with live.on_device(run_id) as timer:  # switching to the newest version is device work too
+            serve_newest(engine, run)
+            samples = engine.generate(prompts, sampling(spec, group_size))
+        device_s += timer.seconds
+        rows += [SampleRow(group_id=single[i // group_size].pk, index=i % group_size, prompt=s.prompt,
+                           completion=s.text, prompt_token_ids=s.prompt_token_ids,
+                           completion_token_ids=s.completion_token_ids, logprobs=s.logprobs,
+                           finish_reason=s.finish_reason, version=s.version)
+                 for i, s in enumerate(samples)]
+    if episodic:
+        episode_rows, seconds = run_group_episodes(run, spec, engine, episodic)
+        rows += episode_rows
+        device_s += seconds
     waits = [(claimed_at - g.created_at).total_seconds() for g in groups]
-    write_samples(run_id, {g.pk: g for g in groups}, rows, generate_s=timer.seconds, wait_s=sum(waits) / len(waits))
+    write_samples(run_id, {g.pk: g for g in groups}, rows, generate_s=device_s, wait_s=sum(waits) / len(waits))
     # One message hands the batch to the verify queue, which fans it out: the GPU worker goes back to the
     # device at once, and every group is judged as soon as a verify worker is free.
     messages.verify_batch(run_id, [g.pk for g in groups], [g.attempt for g in groups])
     messages.advance_run(run_id)
     wake_deferred(except_run=run_id)
-    return len(samples)
+    return len(rows)
+
+
+def serve_newest(engine: Any, run: Run) -> None:
+    """Point the engine at the run's newest version, read now that the caller holds the device (a train step
+    may just have finished)."""
+    from workers.policy import resident
+
+    latest = Run.objects.filter(pk=run.pk).values_list("latest_version", flat=True).get()
+    resident.serve(engine, run.pk, latest, paths.version_dir(run.pk, latest))
+
+
+def run_group_episodes(run: Run, spec: RunSpec, engine: Any, groups: list[PromptGroup]) -> tuple[list[SampleRow], float]:
+    """G episodes per group in the domain's environment, all turns batched; the device is held only while a
+    turn is generated (while episodes act in their sandbox sessions, the worker's other task thread uses
+    it), and each turn is sampled under the newest version (an episode may span versions)."""
+    from sandboxes.session import SessionLimits, SessionSpec
+    from sandboxes.session import default_pool as session_pool
+    from workers.environments.base import EnvTask, make_environment
+    from workers.environments.episodes import Episode, EpisodeLimits, engine_io, run_episodes
+    from workers.verifiers.base import invalid
+
+    group_size = spec.pipeline.group_size
+    e = spec.episode
+    generate_ids, encode_prompt, encode, decode = engine_io(engine, spec.sampling.temperature, spec.sampling.top_p)
+    device_s = [0.0]
+
+    def generate(contexts: list[list[int]], max_tokens: int, stop: tuple[str, ...]) -> Any:
+        with live.on_device(run.pk) as timer:
+            serve_newest(engine, run)
+            out = generate_ids(contexts, max_tokens, (*stop, *spec.sampling.stop))
+        device_s[0] += timer.seconds
+        return out
+
+    context = e.context_tokens or int(getattr(getattr(getattr(engine, "model", None), "config", None),
+                                              "max_position_embeddings", 0) or 4096)
+    limits = EpisodeLimits(max_turns=e.max_turns, max_tokens_per_turn=e.max_tokens_per_turn or spec.sampling.max_tokens,
+                           context_tokens=context, deadline_s=e.deadline_seconds)
+    episodes: list[tuple[PromptGroup, int, Episode]] = []
+    pool = None
+    for g in groups:
+        assert g.domain is not None and g.task is not None
+        task = EnvTask(prompt=g.domain.render_prompt(g.task.prompt, g.task.reference, g.task.metadata),
+                       reference=g.task.reference, metadata=g.task.metadata, kind=g.domain.kind)
+        for i in range(group_size):
+            env = make_environment(g.domain.environment, g.domain.environment_params,
+                                   judge=lambda task, text: invalid("scored on the verify queue"))
+            session = None
+            if env.needs_session:
+                pool = pool or session_pool()
+                session = pool.open(SessionSpec(limits=SessionLimits(
+                    cell_wall_seconds=e.tool_seconds, deadline_seconds=e.deadline_seconds + 5.0)))
+            episodes.append((g, i, Episode(env=env, task=task, seed=spec.seed + i, session=session)))
+    try:
+        run_episodes([ep for _, _, ep in episodes], generate, encode_prompt, encode, decode, limits)
+    finally:
+        for _, _, ep in episodes:
+            if ep.session is not None:
+                ep.session.close()
+    rows = []
+    for g, i, ep in episodes:
+        versions = ep.versions or [run.latest_version]
+        rows.append(SampleRow(
+            group_id=g.pk, index=i, prompt=ep.task.prompt, completion=ep.transcript.final_text,
+            prompt_token_ids=ep.prompt_ids, completion_token_ids=ep.completion_ids, logprobs=ep.logprobs,
+            finish_reason="length" if ep.stop_reason in ("max_turns", "context") else "stop", version=min(versions),
+            turns=tuple(t.to_dict() for t in ep.turns), stop_reason=ep.stop_reason or "done"))
+    return rows, device_s[0]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import statistics
 from collections import Counter, defaultdict
+from typing import Any
 
 from django.db import transaction
 from django.db.models import Count
@@ -85,6 +86,35 @@ def step_points(run: Run, version: PolicyVersion) -> list[Point]:
         for domain_id, values in per_domain.items():
             points.append(Point(f"{name}_p50", step, quantile(values, 0.5), domain_id=domain_id))
             points.append(Point(f"{name}_p95", step, quantile(values, 0.95), domain_id=domain_id))
+    # episodes of multi-turn domains: turns, tool calls and their errors, how much of the text the
+    # environment wrote, and why they stopped (per domain)
+    episodes: defaultdict[int | None, list[tuple[list[dict[str, Any]], str, int]]] = defaultdict(list)
+    for domain_id, turns, stop_reason, ids in (Trajectory.objects.filter(run=run, trained_step=step)
+                                               .exclude(stop_reason="")
+                                               .values_list("domain_id", "turns", "stop_reason", "completion_token_ids")):
+        episodes[domain_id].append((turns or [], stop_reason, len(ids or [])))
+    for domain_id, rows in episodes.items():
+        model_turns = [t for turns, _, _ in rows for t in turns if t.get("role") == "model"]
+        env_turns = [t for turns, _, _ in rows for t in turns if t.get("role") == "env"]
+        calls = [t for t in env_turns if t.get("tool")]
+        tokens = sum(n for _, _, n in rows)
+        env_tokens = sum(int(t["end"]) - int(t["start"]) for t in env_turns)
+        points += [
+            Point("turns_mean", step, len(model_turns) / len(rows), domain_id=domain_id),
+            Point("tool_call_rate", step, sum(any(t.get("tool") for t in turns) for turns, _, _ in rows) / len(rows),
+                  domain_id=domain_id),
+            Point("tool_error_rate", step, sum(t.get("status") in ("tool_error", "timeout") for t in calls)
+                  / max(1, len(calls)), domain_id=domain_id),
+            Point("parse_error_rate", step, sum(t.get("status") == "parse_error" for t in env_turns)
+                  / max(1, len(model_turns)), domain_id=domain_id),
+            Point("env_token_share", step, env_tokens / max(1, tokens), domain_id=domain_id),
+        ]
+        for reason, n in Counter(stop for _, stop, _ in rows).items():
+            points.append(Point(f"stop_{reason}", step, n / len(rows), domain_id=domain_id))
+        latencies = [float(t.get("latency_s") or 0.0) for t in calls]
+        if latencies:
+            points.append(Point("tool_latency_s_p50", step, quantile(latencies, 0.5), domain_id=domain_id))
+            points.append(Point("tool_latency_s_p95", step, quantile(latencies, 0.95), domain_id=domain_id))
     generated = sum(g.generate_s for g in groups if g.generate_s is not None)
     if generated > 0:
         tokens = sum(len(s[6] or []) for s in samples)

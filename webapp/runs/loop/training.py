@@ -29,7 +29,19 @@ from workers.pipeline.spec import RunSpec
 G = PromptGroup.Status
 TRAIN_CLAIM_KEYS = ("train_claim", "train_claim_at", "train_holder", "train_held_at")
 SAMPLE_FIELDS = ("prompt", "prompt_token_ids", "completion_token_ids", "completion", "behaviour_logprobs",
-                 "finish_reason", "version", "verdict", "reward")
+                 "finish_reason", "version", "verdict", "reward", "turns")
+
+
+def loss_mask(turns: list[dict[str, Any]], n: int) -> list[int] | None:
+    """An episode's loss mask from its turns: 1 on the model's spans, 0 on the environment's (None for a
+    single turn: every completion token was sampled)."""
+    if not turns:
+        return None
+    mask = [0] * n
+    for turn in turns:
+        if turn["role"] == "model":
+            mask[int(turn["start"]):int(turn["end"])] = [1] * (int(turn["end"]) - int(turn["start"]))
+    return mask
 
 
 def finite(metrics: dict[str, Any]) -> dict[str, Any]:
@@ -85,9 +97,9 @@ def batch_trajectories(run_id: int, groups: list[PromptGroup], *fields: str) -> 
 
 
 def finish(run: Run, step: int, groups: list[PromptGroup], *, version_path: Path, metrics: dict[str, Any],
-           finished_at: float, facts: dict[int, tuple[float | None, bool | None]]) -> PolicyVersion:
-    """Record version ``latest+1``, mark the groups and their samples trained (with each sample's
-    advantage and clipping) and advance the run, in one transaction."""
+           finished_at: float) -> PolicyVersion:
+    """Record version ``latest+1``, mark the groups and their samples trained and advance the run, in one
+    transaction."""
     with transaction.atomic():
         locked = Run.objects.select_for_update().get(pk=run.pk)
         if locked.step >= step:
@@ -101,11 +113,7 @@ def finish(run: Run, step: int, groups: list[PromptGroup], *, version_path: Path
             defaults={"parent": parent, "step": step, "path": str(version_path), "metrics": metrics})
         PromptGroup.objects.filter(pk__in=[g.pk for g in groups], status=G.TRAINING).update(
             status=G.TRAINED, holder="", updated_at=timezone.now())
-        # one statement for every sample of the batch: its step, its advantage, whether it was clipped
-        Trajectory.objects.bulk_update(
-            [Trajectory(pk=tid, trained_step=step, advantage=advantage, clipped=clipped)
-             for tid, (advantage, clipped) in facts.items()],
-            ["trained_step", "advantage", "clipped"], batch_size=1000)
+        Trajectory.objects.filter(run=run, group_key__in=[g.key for g in groups]).update(trained_step=step)
         state = dict(locked.state)
         for key in TRAIN_CLAIM_KEYS:
             state.pop(key, None)
@@ -117,8 +125,34 @@ def finish(run: Run, step: int, groups: list[PromptGroup], *, version_path: Path
     return version
 
 
+def record_sample_facts(facts: dict[int, tuple[float | None, bool | None]]) -> None:
+    """Each trained sample's advantage and whether it was clipped, in one statement (written after the
+    step's next messages are queued: nothing waits for it)."""
+    Trajectory.objects.bulk_update([Trajectory(pk=tid, advantage=advantage, clipped=clipped)
+                                    for tid, (advantage, clipped) in facts.items()],
+                                   ["advantage", "clipped"], batch_size=1000)
+
+
 def run_step(run_id: int, step: int, holder: str) -> int | None:
-    """Claim, train, save and record step ``step``; the new version's number (None when nothing was done)."""
+    """Claim, train, save and record step ``step``; the new version's number (None when nothing was done).
+    A rollout task of this run in this process waits meanwhile (``resident.training``): prompts admitted
+    while it trains are meant for the version it produces."""
+    from workers.policy import resident
+
+    with resident.training(run_id):
+        done = _run_step(run_id, step, holder)
+    if done is None:
+        return None
+    version, facts = done
+    # Claim the next step and admit the next prompts right here rather than through the control queue: the
+    # messages are queued before this task ends, so the device does not wait for a round trip.
+    messages.report_step(run_id, step)
+    tick.advance(run_id)
+    record_sample_facts(facts)
+    return version
+
+
+def _run_step(run_id: int, step: int, holder: str) -> tuple[int, dict[int, tuple[float | None, bool | None]]] | None:
     from workers.policy import resident
     from workers.policy.engines import Sample
     from workers.policy.losses import sample_advantages
@@ -154,36 +188,32 @@ def run_step(run_id: int, step: int, holder: str) -> int | None:
                                            completion_token_ids=t.completion_token_ids, text=t.completion,
                                            logprobs=t.behaviour_logprobs,
                                            finish_reason="length" if t.finish_reason == "length" else "stop",
-                                           version=t.version) for t in trajectories],
+                                           version=t.version,
+                                           mask=loss_mask(t.turns, len(t.completion_token_ids)))
+                                    for t in trajectories],
                            rewards=rewards, advantages=advantages))
         rows.append([(t.pk, adv) for t, adv in zip(trajectories, advantages, strict=True)])
     out = paths.version_dir(run_id, run.latest_version + 1)
     assert out is not None
     spec_hash = hashlib.sha256(json.dumps(run.spec, sort_keys=True).encode()).hexdigest()[:16]
-    with resident.training(run_id):  # a rollout task of this run here waits for the version it produces
-        with live.on_device(run_id) as timer:
-            trainer = resident.trainer_for(run_id, paths.resolve_model_path(run.base_model), config,
-                                           paths.version_dir(run_id, run.latest_version), run.latest_version,
-                                           run.step)
-            metrics = trainer.train_step(batch)
-            trainer.save_version(out, spec_hash=spec_hash)
-        where = resident.placement()
-        clipped = set(metrics.clipped_samples)
-        facts: dict[int, tuple[float | None, bool | None]] = {}
-        for gi, group in enumerate(rows):
-            used = any(adv not in (None, 0.0) for _, adv in group)  # a group without signal is not trained on
-            for si, (tid, adv) in enumerate(group):
-                facts[tid] = (adv, (gi, si) in clipped if used and adv is not None else None)
-        step_facts = {
-            **metrics.as_dict(), "train_seconds": timer.seconds, "train_task_seconds": time.monotonic() - task_started,
-            "train_queue_wait_s": max(0.0, wall_started - float(claimed_at)) if claimed_at else None,
-            "nonfinite": bool(metrics.collapse_reason and "non-finite" in metrics.collapse_reason),
-            "device": where.device, "dtype": where.dtype,
-        }
-        version = finish(run, step, groups, version_path=out, finished_at=time.time(), metrics=finite(step_facts),
-                         facts=facts)
-    # Claim the next step and admit the next prompts right here rather than through the control queue: the
-    # messages are queued before this task ends, so the device does not wait for a round trip.
-    messages.report_step(run_id, step)
-    tick.advance(run_id)
-    return version.number
+    with live.on_device(run_id) as timer:
+        trainer = resident.trainer_for(run_id, paths.resolve_model_path(run.base_model), config,
+                                       paths.version_dir(run_id, run.latest_version), run.latest_version, run.step)
+        metrics = trainer.train_step(batch)
+        trainer.save_version(out, spec_hash=spec_hash)
+    where = resident.placement()
+    clipped = set(metrics.clipped_samples)
+    metrics.clipped_samples = []
+    facts: dict[int, tuple[float | None, bool | None]] = {}
+    for gi, group in enumerate(rows):
+        used = any(adv not in (None, 0.0) for _, adv in group)  # a group without signal is not trained on
+        for si, (tid, adv) in enumerate(group):
+            facts[tid] = (adv, (gi, si) in clipped if used and adv is not None else None)
+    step_facts = {
+        **metrics.as_dict(), "train_seconds": timer.seconds, "train_task_seconds": time.monotonic() - task_started,
+        "train_queue_wait_s": max(0.0, wall_started - float(claimed_at)) if claimed_at else None,
+        "nonfinite": bool(metrics.collapse_reason and "non-finite" in metrics.collapse_reason),
+        "device": where.device, "dtype": where.dtype,
+    }
+    version = finish(run, step, groups, version_path=out, finished_at=time.time(), metrics=finite(step_facts))
+    return version.number, facts

@@ -45,6 +45,27 @@ def judge(verifier_row: Any, prompt: str, completion: str, reference: Any, kind:
             (time.monotonic() - started) * 1000)
 
 
+def score_episode(domain: Any, verifier_row: Any, trajectory: Trajectory, task: Any) -> Any:
+    """A multi-turn episode's verdict: its environment scores the stored transcript (its task and turns),
+    from what the environment holds — the domain's verifier on the final answer, or its own rule."""
+    from workers.environments.base import EnvTask, Transcript, Turn, make_environment
+    from workers.verifiers.base import invalid
+
+    started = time.monotonic()
+    reference = task.reference if task is not None else {}
+    env_task = EnvTask(prompt=trajectory.prompt, reference=reference,
+                       metadata=task.metadata if task is not None else {}, kind=domain.kind)
+    try:
+        env = make_environment(domain.environment, domain.environment_params,
+                               judge=lambda t, text: judge(verifier_row, t.prompt, text, t.reference, t.kind))
+        transcript = Transcript(env_task, [Turn.from_dict(d) for d in trajectory.turns],
+                                trajectory.stop_reason or "done")  # type: ignore[arg-type]
+        verdict = env.score(transcript)
+    except Exception as exc:
+        return invalid(f"the environment could not score the episode: {type(exc).__name__}: {exc}"[:500])
+    return verdict.with_latency((time.monotonic() - started) * 1000)
+
+
 def record_verdict(trajectory_id: int, *, status: str, score: float | None, reason: str, details: dict[str, Any],
                    latency_ms: float) -> bool:
     """Store one verdict unless one is already there (a redelivered verification does nothing)."""
@@ -91,8 +112,10 @@ def verify_group(group_id: int, holder: str) -> str:
     verifier = group.domain.verifier if group.domain else None
     kind = group.domain.kind if group.domain else None
     pending = list(Trajectory.objects.filter(run_id=group.run_id, group_key=group.key, verdict=VerdictChoice.PENDING)
-                   .only("id", "prompt", "completion").order_by("sample_index"))
-    if remote_judge(verifier) and len(pending) > 1:
+                   .only("id", "prompt", "completion", "turns", "stop_reason").order_by("sample_index"))
+    if group.domain is not None and group.domain.environment != "single_turn":
+        results = [score_episode(group.domain, verifier, t, group.task) for t in pending]
+    elif remote_judge(verifier) and len(pending) > 1:
         # a remote judge spends its time waiting on the network: ask it about every sample at once
         with ThreadPoolExecutor(max_workers=min(len(pending), 16)) as pool:
             results = list(pool.map(lambda t: judge(verifier, t.prompt, t.completion, reference, kind), pending))
