@@ -279,15 +279,6 @@ class CgroupSet:
         return (_read_int(os.path.join(self.dirs["memory"], "memory.failcnt")) or 0) > 0 and bool(
             control.get("under_oom", 0))
 
-    def memory_limit_hit(self) -> bool:
-        if self.version == 2:
-            return _read_kv(os.path.join(self.dirs["unified"], "memory.events")).get("max", 0) > 0
-        return (_read_int(os.path.join(self.dirs["memory"], "memory.failcnt")) or 0) > 0
-
-    def pids_limit_hit(self) -> bool:
-        d = self.dirs["unified" if self.version == 2 else "pids"]
-        return _read_kv(os.path.join(d, "pids.events")).get("max", 0) > 0
-
     def recycle(self, memory_bytes: int, max_processes: int, max_leftover_bytes: int = 16 << 20) -> bool:
         """Make this (v1) set ready for another execution: True when it is empty, holds little leftover
         memory (page cache and kernel objects charged by the last execution) and has its limits and

@@ -40,7 +40,6 @@ log = logging.getLogger("sandboxes")
 
 RUNTIMES = ("python",)
 START_TIMEOUT = 30.0
-ANSWER_MARGIN = 15.0  # seconds past the wall limit before the owner gives up on a zygote
 _PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _BOOTSTRAP = (
     "import sys; sys.path.insert(0, {path!r}); "
@@ -54,7 +53,6 @@ class _Zygote:
     def __init__(self, runtime: str, forced_tier: str | None) -> None:
         self.runtime = runtime
         parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        started = time.monotonic()
         try:
             self.process = subprocess.Popen(
                 [sys.executable, "-I", "-c", _BOOTSTRAP.format(path=_PACKAGE_PARENT), str(os.getpid()),
@@ -84,7 +82,6 @@ class _Zygote:
             raise RuntimeError(f"sandbox zygote failed to start: {hello and hello.get('error')}")
         self.runner = Runner(hello)
         self.tier: str = hello["tier"]
-        self.start_seconds = time.monotonic() - started
 
     def _receive(self) -> dict[str, Any]:
         """The next message from the zygote; standbys arriving meanwhile are queued."""

@@ -197,7 +197,6 @@ class Session:
         self.lease = write_lease(standby.pid, time.time() + self.limits.deadline_seconds)
         self.key = secrets.token_bytes(32)
         self.reader = FrameReader(self.key)
-        self.cells = 0
         self.dead: str | None = None
         self.closed = False
         self.artifacts: list[Artifact] = []
@@ -286,9 +285,7 @@ class Session:
             self._die(f"the session is gone ({exc.strerror})")
             return CellResult("session_error", error=self.dead)
         limit = min(wall_seconds or self.limits.cell_wall_seconds, self.limits.cell_wall_seconds)
-        result = self._wait_for("cell", min(self.deadline, started + limit), interruptible=True)
-        self.cells += 1
-        return result
+        return self._wait_for("cell", min(self.deadline, started + limit), interruptible=True)
 
     def _cpu_since_mark(self) -> float | None:
         cgroup = self.standby.cgroup

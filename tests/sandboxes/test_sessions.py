@@ -46,6 +46,14 @@ def processes_with(marker: str) -> list[int]:
     return found
 
 
+def running(pid: int) -> bool:
+    """The process exists and is not a zombie (an exited child its parent has not reaped yet)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def start_sleeper(session, marker: str) -> None:
     """A detached grandchild that would sleep an hour (its argv carries the marker)."""
     result = session.run(f"import subprocess\nsubprocess.Popen(['sleep', '3600.{marker}'], start_new_session=True)")
@@ -97,8 +105,8 @@ def test_a_sessions_processes_are_gone_when_its_episode_ends(pool):
     start_sleeper(session, marker)
     assert session.run("print('between cells the sleeper lives on')").status == "ok"
     assert processes_with(f"3600.{marker}")
-    session.close()
-    assert processes_with(f"3600.{marker}") == [] and not os.path.exists(f"/proc/{session.pid}/stat")
+    session.close()  # returns once the session's init has exited: its namespace is empty by then
+    assert processes_with(f"3600.{marker}") == [] and not running(session.pid)
 
 
 def test_a_session_past_its_deadline_is_killed_whatever_it_does(pool):
@@ -149,7 +157,7 @@ def test_a_session_dies_with_its_owner_and_the_sweeper_clears_what_is_left(tmp_p
     owner.kill()  # SIGKILL: nothing of the owner runs any more
     owner.wait()
     wait_gone(marker, timeout=10.0)
-    assert not os.path.exists(f"/proc/{pid}/stat") or (Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z")
+    assert not running(pid)
     # a lease its owner left behind is swept, and a live session it names would be killed
     decoy = subprocess.Popen(["sleep", f"3600.{marker}9"])
     try:

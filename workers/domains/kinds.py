@@ -22,6 +22,7 @@ Pure: pydantic and jsonschema; no Django.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -147,14 +148,22 @@ class CodeReference(Reference):
     def _compiles(cls, value: str) -> str:
         if not value.strip():
             raise ValueError("tests are empty")
-        try:
-            compile(value, "<tests>", "exec")
-        except SyntaxError as exc:
-            raise ValueError(f"tests do not compile: {exc.msg} (line {exc.lineno})") from None
+        if problem := _compile_problem(value):
+            raise ValueError(problem)
         return value
 
     def template_fields(self) -> dict[str, str]:
         return {"entry_point": self.entry_point or ""}
+
+
+@functools.lru_cache(maxsize=1024)
+def _compile_problem(tests: str) -> str | None:
+    """Why test code does not compile (None when it does); cached: a task's tests are read G times a group."""
+    try:
+        compile(tests, "<tests>", "exec")
+    except SyntaxError as exc:
+        return f"tests do not compile: {exc.msg} (line {exc.lineno})"
+    return None
 
 
 def _safe_relpath(path: str) -> bool:

@@ -3,6 +3,8 @@ train and held-out pools. Torch-free, so the web process can offer them as examp
 
     ``addition``        two-digit addition, ``"37+48="`` -> ``"85"``
     ``multiplication``  two-digit times one-digit, ``"37*6="`` -> ``"222"``
+    ``product``         two-digit times two-digit, ``"37*48="`` -> ``"1776"``: beyond the demo model alone; the
+                        tool demo's domain (the model learns to compute it with a Python tool)
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import random
 from typing import Literal
 
 DOMAINS = ("addition", "multiplication")
+TOOL_DOMAINS = ("product",)
 Split = Literal["train", "heldout"]
 HELDOUT_FRACTION = 0.2
 # Pools are split by a fixed seed, independent of the caller's seed, so train and held-out never overlap.
@@ -22,7 +25,9 @@ def _pool(domain: str) -> list[tuple[str, str]]:
         return [(f"{a}+{b}=", str(a + b)) for a in range(10, 100) for b in range(10, 100)]
     if domain == "multiplication":
         return [(f"{a}*{b}=", str(a * b)) for a in range(10, 100) for b in range(2, 10)]
-    raise ValueError(f"unknown demo domain {domain!r}; expected one of {', '.join(DOMAINS)}")
+    if domain == "product":
+        return [(f"{a}*{b}=", str(a * b)) for a in range(10, 100) for b in range(10, 100)]
+    raise ValueError(f"unknown demo domain {domain!r}; expected one of {', '.join((*DOMAINS, *TOOL_DOMAINS))}")
 
 
 def _split_pool(domain: str, split: Split) -> list[tuple[str, str]]:
