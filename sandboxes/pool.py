@@ -17,7 +17,6 @@ import contextlib
 import logging
 import os
 import queue
-import select
 import signal
 import socket
 import statistics
@@ -32,7 +31,7 @@ from typing import Any
 
 from sandboxes._linux import CgroupSet
 from sandboxes.api import SandboxResult, SandboxSpec
-from sandboxes.protocol import Standby, recv_packet, send_packet
+from sandboxes.protocol import Standby, readable, recv_packet, send_packet
 from sandboxes.runner import Runner, error_result
 from sandboxes.zygote import SANDBOX_ENV
 
@@ -108,14 +107,35 @@ class _Zygote:
                                         out_r, err_r, rep_r, meta["ident"]))
             return {}
 
+    def _send(self, message: dict[str, Any]) -> None:
+        """Send without ever blocking on a full socket while the zygote blocks on ours: each side's sends
+        fill the other's receive queue (a hundred sessions closing at once queue a hundred ``exited``
+        messages), so when the socket is full the owner reads what the zygote sent, then tries again."""
+        deadline = time.monotonic() + START_TIMEOUT
+        timeout = self.sock.gettimeout()
+        try:
+            while True:
+                self.sock.settimeout(0.0)  # with a timeout, CPython would wait for room first
+                try:
+                    send_packet(self.sock, message)
+                    return
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"the sandbox zygote read nothing for {START_TIMEOUT} s") from None
+                self.sock.settimeout(START_TIMEOUT)
+                while readable(self.sock.fileno(), 0.01):
+                    self._receive()
+        finally:
+            self.sock.settimeout(timeout)
+
     def _take(self) -> Standby:
         self.sock.settimeout(START_TIMEOUT)
         while True:
             while not self.pending:
                 self._receive()
             standby = self.pending.popleft()
-            send_packet(self.sock, {"took": standby.ident})
-            if not select.select([standby.pidfd], [], [], 0)[0]:
+            self._send({"took": standby.ident})
+            if not readable(standby.pidfd, 0):
                 return standby
             self._release(standby)  # it died while waiting (should not happen): never use it
 
@@ -123,10 +143,10 @@ class _Zygote:
         with contextlib.suppress(OSError):
             signal.pidfd_send_signal(standby.pidfd, signal.SIGKILL)  # no-op when it already ended
         standby.close_fds()
-        send_packet(self.sock, {"release": standby.ident})
+        self._send({"release": standby.ident})
 
     def _remount(self, ident: int, size: int) -> None:
-        send_packet(self.sock, {"remount": ident, "size": size})
+        self._send({"remount": ident, "size": size})
         while self._receive().get("remounted") != ident:
             pass
 

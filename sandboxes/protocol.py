@@ -19,12 +19,24 @@ from __future__ import annotations
 import contextlib
 import marshal
 import os
+import select
 import socket
 import struct
 from dataclasses import dataclass
 from typing import Any
 
 from sandboxes import _linux
+
+
+def readable(fd: int, timeout: float | None = None) -> bool:
+    """Whether ``fd`` is readable (a pidfd: its process has exited) within ``timeout`` seconds (None: wait).
+
+    poll(2), never select(2): select fails on a descriptor above 1023 ("filedescriptor out of range"),
+    which a worker holding a hundred sandbox sessions' pipes and sockets reaches."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(None if timeout is None else max(0, int(timeout * 1000))))
+
 
 JOB_LENGTH = struct.Struct(">Q")
 """The length prefix of a job written to a standby's go pipe."""

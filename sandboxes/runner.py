@@ -31,7 +31,7 @@ from typing import Any
 
 from sandboxes.api import Artifact, HarnessReport, SandboxResult, SandboxSpec, StatementOutcome, Status
 from sandboxes.harness import MAX_REPORT_BYTES, ReportTampered, decode_frames, prepare_epilogue
-from sandboxes.protocol import JOB_LENGTH, Standby
+from sandboxes.protocol import JOB_LENGTH, Standby, readable
 from sandboxes.zygote import DEFAULT_DISK, DEFAULT_LIMITS, SANDBOX_ROOT
 
 MAX_ARTIFACTS = 100
@@ -154,7 +154,7 @@ class Runner:
             # A limit: kill the namespace's init; the kernel kills everything else in it. Its pidfd turns
             # readable only once the whole namespace is gone.
             self._kill_tree(standby)
-            select.select([standby.pidfd], [], [])
+            readable(standby.pidfd)
         if not self.namespaces:
             self._kill_tree(standby)  # no PID namespace: the process group is all we can reach
         # Every writer is gone now: read what is left (the caps still apply).

@@ -51,7 +51,7 @@ from typing import Any, Literal
 
 from sandboxes.api import Artifact, Limits, SandboxSpec
 from sandboxes.harness import FRAME_HEADER, MAX_FRAME_BYTES, ReportTampered, sign
-from sandboxes.protocol import JOB_LENGTH, Standby
+from sandboxes.protocol import JOB_LENGTH, Standby, readable
 from sandboxes.runner import _drain, collect_artifacts
 
 LEASE_DIR = Path(os.environ.get("TEMPER_SESSION_LEASES", "/tmp/temper-session-leases"))
@@ -245,10 +245,10 @@ class Session:
             with contextlib.suppress(OSError):
                 os.close(standby.go_w)
             standby.go_w = -1
-            select.select([standby.pidfd], [], [], 0.5)
+            readable(standby.pidfd, 0.5)
         with contextlib.suppress(OSError):
             signal.pidfd_send_signal(standby.pidfd, signal.SIGKILL)  # its init: the namespace goes with it
-        select.select([standby.pidfd], [], [], 5.0)
+        readable(standby.pidfd, 5.0)
         runner = self.pool.zygote.runner
         if self.spec.artifacts:
             self.artifacts = collect_artifacts(runner.path(standby, "work"), self.spec.artifacts)
@@ -347,7 +347,7 @@ class Session:
                 self._die("the cell flooded its output: the session was killed")
                 return CellResult("output_limit", _text(out, cap), _text(err, cap), self.dead,
                                   time.monotonic() - started, None, True)
-            if select.select([standby.pidfd], [], [], 0)[0]:
+            if readable(standby.pidfd, 0):
                 _drain(standby.out_r, out, cap * 16)
                 _drain(standby.err_r, err, cap * 16)
                 why = self._death_reason()

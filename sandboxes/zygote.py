@@ -174,12 +174,15 @@ class Zygote:
         os.set_blocking(wake_r, False)
         os.set_blocking(wake_w, False)
         signal.set_wakeup_fd(wake_w)
-        signal.signal(signal.SIGCHLD, lambda *_: None)  # wakes the select below through the wake-up fd
+        signal.signal(signal.SIGCHLD, lambda *_: None)  # wakes the poll below through the wake-up fd
         children: dict[int, tuple[int, str, _linux.CgroupSet | None]] = {}  # pid -> ident, slot, cgroup
         slots: dict[int, str] = {}
         reaped: dict[int, tuple[str, _linux.CgroupSet | None]] = {}
         released: set[int] = set()
         outstanding = 0
+        poller = select.poll()
+        poller.register(sock, select.POLLIN)
+        poller.register(wake_r, select.POLLIN)
         try:
             while self._owner_alive():
                 while outstanding < self.standby_target:
@@ -194,11 +197,11 @@ class Zygote:
                         for fd in fds:
                             os.close(fd)
                     outstanding += 1
-                readable, _, _ = select.select([sock, wake_r], [], [], 1.0)
-                if wake_r in readable:
+                ready = {fd for fd, _ in poller.poll(1000)}  # poll, not select: no limit on descriptor numbers
+                if wake_r in ready:
                     with contextlib.suppress(OSError):
                         os.read(wake_r, 4096)
-                if sock in readable:
+                if sock.fileno() in ready:
                     message, _ = recv_packet(sock)  # OSError (owner gone) ends the loop below
                     if message is None or message.get("quit"):
                         return

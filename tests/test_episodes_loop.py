@@ -6,6 +6,7 @@ and trained on their sampled tokens only (real Redis, real Celery workers, the t
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -25,7 +26,7 @@ SPEC = {
     "pipeline": {"group_size": 4, "batch_prompts": 2, "max_staleness": 1, "rollout_batch_prompts": 2},
     "sampling": {"temperature": 1.0, "max_tokens": 10},
     "episode": {"max_turns": 3, "tool_seconds": 1.0},
-    "max_steps": 2, "eval_every": 0,
+    "max_steps": 2, "eval_every": 2, "eval_tasks": 4,
 }
 
 
@@ -38,7 +39,9 @@ def test_a_python_tool_domain_trains_on_episodes_whose_invariants_hold(start_wor
     verifier = factories.verifier(user, name="exact")
     domain = TaskDomain.objects.create(owner=user, name="mul-tool", kind="answer", verifier=verifier,
                                        environment="python_tool")
-    rows = [{"prompt": f"{a}*{b}=", "answer": a * b} for a in range(12, 20) for b in (13, 27)]
+    rows = [{"prompt": f"{a}*{b}=", "answer": a * b, "split": "heldout" if a == 19 else "train"}
+            for a in range(12, 20) for b in (13, 27)]
+    rows += [{"prompt": f"{a}*{b}=", "answer": a * b, "split": "heldout"} for a in (21, 22) for b in (31, 41)]
     do_import_tasks(domain, (json.dumps(r) for r in rows))
     bm = BaseModel.objects.create(owner=user, name="demo", path="assets/base-models/demo")
     response = api.post("/api/v1/runs/", {"name": "tool", "base_model": bm.pk, "domains": [{"domain": domain.pk}],
@@ -80,3 +83,23 @@ def test_a_python_tool_domain_trains_on_episodes_whose_invariants_hold(start_wor
     client.force_login(user)
     page = client.get(f"/trajectories/{episodes[0].pk}/").content.decode()
     assert 'id="transcript"' in page and "(trained on)" in page
+    # held-out evaluation plays whole episodes too (greedy turns), scored from their transcripts
+    from webapp.runs.models import Evaluation
+
+    wait_until = time.monotonic() + 120
+    while (Evaluation.objects.filter(version__run=run, domain=domain, status="done").count() < 2
+           and time.monotonic() < wait_until):
+        time.sleep(0.5)
+    evaluations = list(Evaluation.objects.filter(version__run=run, domain=domain, status="done"))
+    assert sorted(e.version.number for e in evaluations) == [0, 2] and all(e.n_tasks == 4 for e in evaluations)
+    evaluated = list(Trajectory.objects.filter(run=run, is_eval=True, domain=domain))
+    assert len(evaluated) == 8 and all(t.turns and t.stop_reason for t in evaluated)
+    assert all(t.verdict in ("pass", "fail") for t in evaluated), [(t.verdict, t.verdict_reason) for t in evaluated]
+    for t in evaluated:
+        turns = [Turn.from_dict(d) for d in t.turns]
+        mask = [0] * len(t.completion_token_ids)
+        for turn in turns:
+            if turn.role == "model":
+                mask[turn.start:turn.end] = [1] * (turn.end - turn.start)
+        assert not check_invariants(t.prompt_token_ids, t.completion_token_ids, mask, turns,
+                                    lambda ids: decode(ids, skip_special_tokens=True))

@@ -172,3 +172,51 @@ def test_writing_outside_the_work_directory_is_refused(pool):
     with pool.session() as s:
         denied = s.run("open('/etc/temper-session-test', 'w')")
         assert denied.status == "error" and ("Read-only" in denied.error or "Permission" in denied.error)
+
+
+def test_sessions_work_when_the_worker_holds_more_than_1024_descriptors(pool):
+    """select(2) cannot watch a descriptor above 1023: a GPU worker holding a hundred sessions reached that
+    ("filedescriptor out of range in select()") and every later episode ended on env_error."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 2048:
+        pytest.skip("cannot raise the descriptor limit above 2048")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (2048, hard))
+    held = [os.open("/dev/null", os.O_RDONLY) for _ in range(1100)]
+    try:
+        sessions = [pool.open() for _ in range(3)]
+        for i, s in enumerate(sessions):
+            assert s.run(f"print({i} * 7)").stdout == f"{i * 7}\n"
+        for s in sessions:
+            s.close()
+            assert not running(s.pid)
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_three_hundred_sessions_live_at_once_and_all_close():
+    """A GPU worker plays two batches of 128 episodes at once, each holding a session: the owner and the
+    zygote then hold well over 1024 descriptors (the zygote had used select(2) and died on them)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 8192:
+        pytest.skip("cannot raise the descriptor limit to 8192")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (8192, hard))
+    try:
+        with SessionPool() as many:  # started after the limit is raised: the zygote inherits it
+            if many.tier == "rlimits-only":
+                pytest.skip("sessions need the namespaces tier")
+            sessions = [many.open() for _ in range(300)]
+            outputs = [s.run(f"print({i} + 1)").stdout for i, s in enumerate(sessions)]
+            assert outputs == [f"{i + 1}\n" for i in range(300)]
+            for s in sessions:
+                s.close()
+            assert not [s.pid for s in sessions if running(s.pid)]
+            with many.open() as after:  # the pool goes on
+                assert after.run("print('still here')").stdout == "still here\n"
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

@@ -1,7 +1,8 @@
 """The episode runner: many episodes at once, token-in and token-out, ending each by its limits.
 
 Each round generates the next model turn of every active episode in one batch (``generate`` takes token-id
-contexts), then steps each episode's environment with that turn. What the model sampled is kept exactly
+contexts), then steps every episode's environment with that turn at once (threads: a step mostly waits on
+its sandbox session, so a slow tool costs the round its slowest call, not the sum of them). What the model sampled is kept exactly
 (its ids and behaviour log-probs, never re-encoded from text); each observation is tokenized once
 (``encode``, no special tokens) and appended. The loss mask is 1 on sampled tokens only, 0 on the prompt
 and on every observation, so the trainer learns from the model's own tokens and nothing else. The turn
@@ -20,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -128,8 +130,17 @@ def run_episodes(episodes: Sequence[Episode], generate: Generate, encode_prompt:
                 by_budget.setdefault((budget, tuple(ep.env.stop)), []).append(ep)
             for (budget, stop), group in by_budget.items():
                 outs = generate([ep.context for ep in group], budget, stop)
-                for ep, out in zip(group, outs, strict=True):
-                    _take_turn(ep, out, budget, encode, decode, limits)
+                texts = [decode(out.ids) for out in outs]
+                for ep, out, text in zip(group, outs, texts, strict=True):
+                    ep.append("model", out.ids, text, logprobs=out.logprobs, version=out.version)
+                    ep.model_turns += 1
+                # the environments step at once: a step mostly waits on its sandbox session
+                if len(group) > 1:
+                    steps = list(_stepper().map(_step, [ep.env for ep in group], texts))
+                else:
+                    steps = [_step(group[0].env, texts[0])]
+                for ep, out, result in zip(group, outs, steps, strict=True):
+                    _after_step(ep, out, result, budget, encode, limits)
     finally:
         for ep in episodes:
             with contextlib.suppress(Exception):  # closing must not lose the episodes
@@ -137,17 +148,30 @@ def run_episodes(episodes: Sequence[Episode], generate: Generate, encode_prompt:
     return list(episodes)
 
 
-def _take_turn(ep: Episode, out: Generated, budget: int, encode: Callable[[str], list[int]],
-               decode: Callable[[list[int]], str], limits: EpisodeLimits) -> None:
-    text = decode(out.ids)
-    ep.append("model", out.ids, text, logprobs=out.logprobs, version=out.version)
-    ep.model_turns += 1
+_STEPPER: ThreadPoolExecutor | None = None
+STEP_THREADS = 32
+
+
+def _stepper() -> ThreadPoolExecutor:
+    global _STEPPER
+    if _STEPPER is None:
+        _STEPPER = ThreadPoolExecutor(max_workers=STEP_THREADS, thread_name_prefix="episode-step")
+    return _STEPPER
+
+
+def _step(env: Environment, text: str) -> Observation | BaseException:
     try:
-        obs = ep.env.step(text)
+        return env.step(text)
     except Exception as exc:  # an environment's own failure ends its episode, never the batch
+        return exc
+
+
+def _after_step(ep: Episode, out: Generated, obs: Observation | BaseException, budget: int,
+                encode: Callable[[str], list[int]], limits: EpisodeLimits) -> None:
+    if isinstance(obs, BaseException):
         ep.turns[-1].status = "env_error"
         ep.stop_reason = "env_error"
-        ep.turns.append(Turn("env", f"{type(exc).__name__}: {exc}"[:500], len(ep.completion_ids),
+        ep.turns.append(Turn("env", f"{type(obs).__name__}: {obs}"[:500], len(ep.completion_ids),
                              len(ep.completion_ids), status="env_error"))
         return
     if obs.done:

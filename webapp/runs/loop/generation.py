@@ -9,6 +9,7 @@ sample count, so a redelivered task writes nothing twice.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -157,52 +158,14 @@ def serve_newest(engine: Any, run: Run) -> None:
 
 
 def run_group_episodes(run: Run, spec: RunSpec, engine: Any, groups: list[PromptGroup]) -> tuple[list[SampleRow], float]:
-    """G episodes per group in the domain's environment, all turns batched; the device is held only while a
-    turn is generated (while episodes act in their sandbox sessions, the worker's other task thread uses
-    it), and each turn is sampled under the newest version (an episode may span versions)."""
-    from sandboxes.session import SessionLimits, SessionSpec
-    from sandboxes.session import default_pool as session_pool
-    from workers.environments.base import EnvTask, make_environment
-    from workers.environments.episodes import Episode, EpisodeLimits, engine_io, run_episodes
-    from workers.verifiers.base import invalid
-
+    """G episodes per group in the domain's environment, all turns batched (see ``play_episodes``)."""
     group_size = spec.pipeline.group_size
-    e = spec.episode
-    generate_ids, encode_prompt, encode, decode = engine_io(engine, spec.sampling.temperature, spec.sampling.top_p)
-    device_s = [0.0]
-
-    def generate(contexts: list[list[int]], max_tokens: int, stop: tuple[str, ...]) -> Any:
-        with live.on_device(run.pk) as timer:
-            serve_newest(engine, run)
-            out = generate_ids(contexts, max_tokens, (*stop, *spec.sampling.stop))
-        device_s[0] += timer.seconds
-        return out
-
-    context = e.context_tokens or int(getattr(getattr(getattr(engine, "model", None), "config", None),
-                                              "max_position_embeddings", 0) or 4096)
-    limits = EpisodeLimits(max_turns=e.max_turns, max_tokens_per_turn=e.max_tokens_per_turn or spec.sampling.max_tokens,
-                           context_tokens=context, deadline_s=e.deadline_seconds)
-    episodes: list[tuple[PromptGroup, int, Episode]] = []
-    pool = None
+    items = []
     for g in groups:
         assert g.domain is not None and g.task is not None
-        task = EnvTask(prompt=g.domain.render_prompt(g.task.prompt, g.task.reference, g.task.metadata),
-                       reference=g.task.reference, metadata=g.task.metadata, kind=g.domain.kind)
-        for i in range(group_size):
-            env = make_environment(g.domain.environment, g.domain.environment_params,
-                                   judge=lambda task, text: invalid("scored on the verify queue"))
-            session = None
-            if env.needs_session:
-                pool = pool or session_pool()
-                session = pool.open(SessionSpec(limits=SessionLimits(
-                    cell_wall_seconds=e.tool_seconds, deadline_seconds=e.deadline_seconds + 5.0)))
-            episodes.append((g, i, Episode(env=env, task=task, seed=spec.seed + i, session=session)))
-    try:
-        run_episodes([ep for _, _, ep in episodes], generate, encode_prompt, encode, decode, limits)
-    finally:
-        for _, _, ep in episodes:
-            if ep.session is not None:
-                ep.session.close()
+        items += [(g.domain, g.task, spec.seed + i) for i in range(group_size)]
+    played, device_s = play_episodes(run, spec, engine, items, spec.sampling.temperature, spec.sampling.top_p)
+    episodes = [(groups[n // group_size], n % group_size, ep) for n, ep in enumerate(played)]
     rows = []
     for g, i, ep in episodes:
         versions = ep.versions or [run.latest_version]
@@ -211,4 +174,90 @@ def run_group_episodes(run: Run, spec: RunSpec, engine: Any, groups: list[Prompt
             prompt_token_ids=ep.prompt_ids, completion_token_ids=ep.completion_ids, logprobs=ep.logprobs,
             finish_reason="length" if ep.stop_reason in ("max_turns", "context") else "stop", version=min(versions),
             turns=tuple(t.to_dict() for t in ep.turns), stop_reason=ep.stop_reason or "done"))
-    return rows, device_s[0]
+    return rows, device_s
+
+
+MAX_LIVE_EPISODES = 128
+"""Episodes played at once by one task (each may hold a sandbox session: a process)."""
+
+
+class LazySession:
+    """A sandbox session opened on the episode's first call: an episode that answers without a tool costs
+    no process. Its deadline runs from that call; the episode's own deadline still bounds the whole."""
+
+    def __init__(self, pool: Any, spec: Any) -> None:
+        self.pool, self.spec = pool, spec
+        self.session: Any = None
+
+    def run(self, code: str, wall_seconds: float | None = None) -> Any:
+        if self.session is None:
+            self.session = self.pool.open(self.spec)
+        return self.session.run(code, wall_seconds)
+
+    def close(self) -> list[Any]:
+        return self.session.close() if self.session is not None else []
+
+
+def play_episodes(run: Run, spec: RunSpec, engine: Any, items: list[tuple[Any, Any, int]], temperature: float,
+                  top_p: float, version: int | None = None) -> tuple[list[Any], float]:
+    """One episode per (domain, task, seed) in its domain's environment, each in a sandbox session of its
+    own when the environment needs one, all turns batched; returns the episodes and the device seconds.
+    The device is held only while a turn is generated (while episodes act in their sandbox sessions, the
+    worker's other task thread uses it), and each turn is sampled under the newest version (an episode may
+    span versions), or under ``version`` when one is given (held-out evaluation). Every session is closed,
+    whatever happens."""
+    from sandboxes.session import SessionLimits, SessionSpec
+    from sandboxes.session import default_pool as session_pool
+    from workers.environments.base import EnvTask, make_environment
+    from workers.environments.episodes import Episode, EpisodeLimits, engine_io, run_episodes
+    from workers.policy import resident
+    from workers.verifiers.base import invalid
+
+    e = spec.episode
+    generate_ids, encode_prompt, encode, decode = engine_io(engine, temperature, top_p)
+    device_s = [0.0]
+
+    def generate(contexts: list[list[int]], max_tokens: int, stop: tuple[str, ...]) -> Any:
+        with live.on_device(run.pk) as timer:
+            if version is None:
+                serve_newest(engine, run)
+            else:
+                resident.serve(engine, run.pk, version, paths.version_dir(run.pk, version))
+            out = generate_ids(contexts, max_tokens, (*stop, *spec.sampling.stop))
+        device_s[0] += timer.seconds
+        return out
+
+    context = e.context_tokens or int(getattr(getattr(getattr(engine, "model", None), "config", None),
+                                              "max_position_embeddings", 0) or 4096)
+    limits = EpisodeLimits(max_turns=e.max_turns, max_tokens_per_turn=e.max_tokens_per_turn or spec.sampling.max_tokens,
+                           context_tokens=context, deadline_s=e.deadline_seconds)
+    episodes: list[Episode] = []
+    pool = None
+    try:
+        for domain, task_row, seed in items:
+            task = EnvTask(prompt=domain.render_prompt(task_row.prompt, task_row.reference, task_row.metadata),
+                           reference=task_row.reference, metadata=task_row.metadata, kind=domain.kind)
+            env = make_environment(domain.environment, domain.environment_params,
+                                   judge=lambda task, text: invalid("scored on the verify queue"))
+            session = None
+            if env.needs_session:
+                pool = pool or session_pool()
+                session = LazySession(pool, SessionSpec(limits=SessionLimits(
+                    cell_wall_seconds=e.tool_seconds, deadline_seconds=e.deadline_seconds + 5.0)))
+            episodes.append(Episode(env=env, task=task, seed=seed, session=session))
+        for start in range(0, len(episodes), MAX_LIVE_EPISODES):
+            chunk = episodes[start:start + MAX_LIVE_EPISODES]
+            try:
+                run_episodes(chunk, generate, encode_prompt, encode, decode, limits)
+            finally:
+                close_sessions(chunk)
+    finally:
+        close_sessions(episodes)
+    return episodes, device_s[0]
+
+
+def close_sessions(episodes: list[Any]) -> None:
+    for ep in episodes:
+        if ep.session is not None:
+            with contextlib.suppress(Exception):  # one session that fails to close must not keep the others
+                ep.session.close()

@@ -19,8 +19,8 @@ from django.db import transaction
 from webapp.catalog.models import Task
 from webapp.runs import services
 from webapp.runs.loop import live, paths
-from webapp.runs.loop.generation import load_engine, sampling
-from webapp.runs.loop.verification import judge, record_verdict
+from webapp.runs.loop.generation import load_engine, play_episodes, sampling
+from webapp.runs.loop.verification import judge, record_verdict, score_episode
 from webapp.runs.metrics import Point
 from webapp.runs.models import Evaluation, PolicyVersion, Run, RunStatus, Trajectory, VerdictChoice
 from workers import messages
@@ -48,25 +48,42 @@ def sample(run_id: int, version: int) -> int:
         tasks = list(Task.objects.filter(domain=rd.domain, split=Task.Split.HELDOUT).order_by("id")[: spec.eval_tasks])
         if tasks:
             per_domain.append((rd, tasks))
-    tasks = [t for _, domain_tasks in per_domain for t in domain_tasks]
-    prompts = [rd.domain.render_prompt(t.prompt, t.reference, t.metadata) for rd, domain_tasks in per_domain
+    single = [(rd, ts) for rd, ts in per_domain if rd.domain.environment == "single_turn"]
+    episodic = [(rd, ts) for rd, ts in per_domain if rd.domain.environment != "single_turn"]
+    tasks = [t for _, domain_tasks in single for t in domain_tasks]
+    prompts = [rd.domain.render_prompt(t.prompt, t.reference, t.metadata) for rd, domain_tasks in single
                for t in domain_tasks]
     engine = load_engine(run, spec)
-    with live.on_device(run_id):  # every domain's prompts in one batch
+    with live.on_device(run_id):  # every single-turn domain's prompts in one batch
         resident.serve(engine, run_id, version, paths.version_dir(run.pk, version))
         outputs = engine.generate(prompts, sampling(spec, k, greedy=k == 1)) if tasks else []
-    Trajectory.objects.bulk_create([
+    rows = [
         Trajectory(run=run, task=t, domain_id=t.domain_id, group_key=messages.eval_key(version, k, t.pk),
                    sample_index=i % k, version=version, prompt=s.prompt, completion=s.text,
                    prompt_token_ids=s.prompt_token_ids, completion_token_ids=s.completion_token_ids,
                    finish_reason=s.finish_reason, is_eval=True)
         for i, (t, s) in enumerate(zip((t for t in tasks for _ in range(k)), outputs, strict=True))
-    ], ignore_conflicts=True)
+    ]
+    if episodic:  # multi-turn domains are evaluated as they are trained: whole episodes, greedy turns
+        items = [(rd.domain, t, spec.seed + i) for rd, ts in episodic for t in ts for i in range(k)]
+        greedy = k == 1
+        played, _ = play_episodes(run, spec, engine, items, 0.0 if greedy else spec.sampling.temperature,
+                                  1.0 if greedy else spec.sampling.top_p, version=version)
+        rows += [
+            Trajectory(run=run, task=t, domain_id=t.domain_id, group_key=messages.eval_key(version, k, t.pk),
+                       sample_index=n % k, version=version, prompt=ep.task.prompt, completion=ep.transcript.final_text,
+                       prompt_token_ids=ep.prompt_ids, completion_token_ids=ep.completion_ids,
+                       finish_reason="length" if ep.stop_reason in ("max_turns", "context") else "stop",
+                       turns=[turn.to_dict() for turn in ep.turns], stop_reason=ep.stop_reason or "done",
+                       is_eval=True)
+            for n, ((_, t, _), ep) in enumerate(zip(items, played, strict=True))
+        ]
+    Trajectory.objects.bulk_create(rows, ignore_conflicts=True)
     for rd, domain_tasks in per_domain:
         Evaluation.objects.update_or_create(version=version_row, domain=rd.domain, suite="heldout", defaults={
             "status": Evaluation.Status.RUNNING, "n_tasks": len(domain_tasks), "n_samples": k})
     messages.score_evaluation(run_id, version, k)
-    return len(outputs)
+    return len(rows)
 
 
 def score(run_id: int, version: int, samples: int) -> dict[str, float]:
@@ -83,12 +100,17 @@ def score(run_id: int, version: int, samples: int) -> dict[str, float]:
     prefix = messages.eval_key(version, samples, 0)[:-1]
     for rd in run.run_domains.select_related("domain__verifier"):
         rows = list(Trajectory.objects.filter(run=run, is_eval=True, domain=rd.domain, group_key__startswith=prefix)
-                    .select_related("task").only("id", "prompt", "completion", "verdict", "reward", "task__reference"))
+                    .select_related("task").only("id", "prompt", "completion", "verdict", "reward", "turns",
+                                                 "stop_reason", "task__reference", "task__metadata"))
         if not rows:
             continue
-        judged = [(t, judge(rd.domain.verifier, t.prompt, t.completion, t.task.reference if t.task else {},
-                            rd.domain.kind))
-                  for t in rows if t.verdict == VerdictChoice.PENDING]
+        if rd.domain.environment != "single_turn":  # scored from the stored transcript, as in training
+            judged = [(t, score_episode(rd.domain, rd.domain.verifier, t, t.task))
+                      for t in rows if t.verdict == VerdictChoice.PENDING]
+        else:
+            judged = [(t, judge(rd.domain.verifier, t.prompt, t.completion, t.task.reference if t.task else {},
+                                rd.domain.kind))
+                      for t in rows if t.verdict == VerdictChoice.PENDING]
         with transaction.atomic():
             for t, v in judged:
                 record_verdict(t.pk, status=v.status, score=v.score, reason=v.reason or "",

@@ -111,8 +111,11 @@ def finish(run: Run, step: int, groups: list[PromptGroup], *, version_path: Path
         version, _ = PolicyVersion.objects.get_or_create(
             run=run, number=number,
             defaults={"parent": parent, "step": step, "path": str(version_path), "metrics": metrics})
-        PromptGroup.objects.filter(pk__in=[g.pk for g in groups], status=G.TRAINING).update(
-            status=G.TRAINED, holder="", updated_at=timezone.now())
+        # A run that ended while this step trained (its target reached on an evaluation) dropped the step's
+        # groups as unfinished; the step did train on them and its version is recorded, so they are trained.
+        PromptGroup.objects.filter(pk__in=[g.pk for g in groups], trained_step=step,
+                                   status__in=(G.TRAINING, G.DROPPED)).update(
+            status=G.TRAINED, drop_reason="", holder="", updated_at=timezone.now())
         Trajectory.objects.filter(run=run, group_key__in=[g.key for g in groups]).update(trained_step=step)
         state = dict(locked.state)
         for key in TRAIN_CLAIM_KEYS:

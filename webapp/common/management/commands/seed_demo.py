@@ -1,7 +1,9 @@
-"""``python manage.py seed_demo``: the demo domains, a calibrated verifier, the demo base model and a run.
+"""``python manage.py seed_demo``: the demo domains, a calibrated verifier, the demo base models and two runs.
 
-Idempotent: what exists is left alone. With ``--start`` the demo run is started (the first ``make run``
-does this), so a newcomer sees held-out reward rise on the run page within minutes.
+Idempotent: what exists is left alone. With ``--start`` the first demo run (single-turn addition) is started
+(the first ``make run`` does this), so a newcomer sees held-out reward rise on the run page within minutes.
+The second, the tool demo (``demo: tool use``: two-digit products, which the model learns to compute with a
+Python tool in a sandbox session), is left as a draft to start from its page.
 """
 
 from __future__ import annotations
@@ -20,6 +22,21 @@ from webapp.runs.models import Run
 from webapp.runs.services import DomainWeight, do_create_run, do_start_run
 
 DEMO_MODEL_DIR = "assets/base-models/demo"
+TOOL_MODEL_DIR = "assets/base-models/demo-tool"
+TOOL_RUN_SPEC: dict[str, Any] = {
+    "algorithm": {"learning_rate": 1e-4, "lora_rank": 0, "clip_low": 0.2, "clip_high": 0.2,
+                  "updates_per_batch": 2, "micro_batch_size": 64},
+    "pipeline": {"mode": "async", "group_size": 8, "batch_prompts": 16, "max_staleness": 1,
+                 "rollout_batch_prompts": 16},
+    "sampling": {"temperature": 1.0, "max_tokens": 24},
+    # a call and its answer: <py>print(37*48)</py> (21 tokens), then 1776 and end-of-text
+    "episode": {"max_turns": 3, "max_tokens_per_turn": 24, "tool_seconds": 2.0, "deadline_seconds": 60.0},
+    "max_steps": 400,
+    "target_reward": 0.9,
+    "eval_every": 10,
+    "eval_tasks": 200,
+    "seed": 0,
+}
 DEMO_RUN_SPEC: dict[str, Any] = {
     # Measured through this loop on the demo model: LoRA r=16 plateaued near 55-59% held-out (from 35%)
     # at lr 3e-4 and at 1e-3 within 110 steps; full fine-tuning at lr 1e-4 (PITFALLS.md: stable; >= 3e-4
@@ -104,3 +121,36 @@ class Command(BaseCommand):
         if opts["start"] and run.status == "draft":
             do_start_run(run, actor=owner)
             self.stdout.write(f"started run #{run.pk} {run.name}")
+        self.seed_tool_demo(owner, verifier)
+
+    def seed_tool_demo(self, owner: Any, verifier: Verifier) -> None:
+        """The tool demo: its base model, the ``product`` domain in the python_tool environment, a draft run."""
+        from workers.policy.demo_tasks import _split_pool
+
+        model_dir = settings.BASE_DIR / TOOL_MODEL_DIR
+        if not (model_dir / "config.json").exists():
+            from workers.policy.tool_demo_model import build_tool_demo_model
+
+            self.stdout.write(f"building the tool demo's base model into {model_dir} (a few minutes, once) …")
+            build_tool_demo_model(model_dir)
+        base_model, _ = BaseModel.objects.get_or_create(
+            owner=owner, name="demo-tool", defaults={
+                "path": TOOL_MODEL_DIR, "parameters": 1_084_288,
+                "description": "The demo model with a 128-token context, primed to call a Python tool "
+                               "(workers/policy/tool_demo_model.py)"})
+        domain, created = TaskDomain.objects.get_or_create(
+            owner=owner, name="product", defaults={
+                "kind": "answer", "verifier": verifier, "environment": "python_tool", "environment_params": {},
+                "description": "Two-digit times two-digit: beyond the demo model alone; it may run "
+                               "<py>code</py> in a sandbox session and read <out>…</out> before it answers"})
+        if created or domain.task_count == 0:
+            rows = [{"prompt": p, "answer": a, "split": split}
+                    for split in ("train", "heldout") for p, a in _split_pool("product", split)]  # type: ignore[arg-type]
+            lines = (json.dumps(r) for r in tqdm(rows, desc="import product", unit="task", leave=False))
+            result = do_import_tasks(domain, lines)
+            self.stdout.write(f"domain product: {result.imported} tasks ({result.heldout} held out)")
+        if not Run.objects.filter(owner=owner, name="demo: tool use").exists():
+            do_create_run(owner, name="demo: tool use", base_model=base_model, domains=[DomainWeight(domain)],
+                          spec=TOOL_RUN_SPEC,
+                          description="Multi-turn GRPO: the model learns to compute products with a Python tool "
+                                      "in a sandbox session. Start it from this page.")
