@@ -58,6 +58,9 @@ def test_the_tool_demo_learns_to_compute_products_with_the_tool(start_worker, ap
         problems = check_invariants(t.prompt_token_ids, t.completion_token_ids, mask, turns,
                                     lambda ids: decode(ids, skip_special_tokens=True))
         assert not problems, (t.pk, problems)
+    # the API filters episodes by stop reason and turn count
+    body = api.get(f"/api/v1/trajectories/?run={run.pk}&stop_reason=done&turns_min=2&page_size=50").json()
+    assert body["results"] and all(r["stop_reason"] == "done" and r["turn_count"] >= 2 for r in body["results"])
     # a rewarded episode called the tool, read its output and copied it
     passed = Trajectory.objects.filter(run=run, is_eval=True, verdict="pass", version__gt=0).first()
     assert passed is not None

@@ -303,23 +303,31 @@ class TrajectorySerializer(serializers.ModelSerializer):
         fields = ["id", "run", "task", "domain", "group_key", "sample_index", "version", "prompt", "completion",
                   "prompt_token_ids", "completion_token_ids", "behaviour_logprobs", "finish_reason", "verdict",
                   "reward", "verdict_reason", "verifier_details", "sandbox", "verify_latency_ms", "advantage",
-                  "clipped", "trained_step", "is_eval", "turns", "stop_reason", "created_at"]
+                  "clipped", "trained_step", "is_eval", "turns", "stop_reason", "turn_count", "tool_errors",
+                  "created_at"]
 
 
 class TrajectoryListSerializer(TrajectorySerializer):
     class Meta(TrajectorySerializer.Meta):
         fields = ["id", "run", "task", "domain", "group_key", "sample_index", "version", "prompt", "completion",
                   "finish_reason", "verdict", "reward", "verdict_reason", "advantage", "clipped", "trained_step",
-                  "stop_reason", "created_at"]
+                  "stop_reason", "turn_count", "tool_errors", "created_at"]
 
 
 class TrajectoryFilter(filters.FilterSet):
     reward_min = filters.NumberFilter(field_name="reward", lookup_expr="gte")
     reward_max = filters.NumberFilter(field_name="reward", lookup_expr="lte")
+    turns_min = filters.NumberFilter(field_name="turn_count", lookup_expr="gte")
+    has_tool_errors = filters.BooleanFilter(method="filter_tool_errors")
 
     class Meta:
         model = Trajectory
-        fields = ["run", "domain", "version", "verdict", "group_key", "is_eval"]
+        fields = ["run", "domain", "version", "verdict", "group_key", "is_eval", "stop_reason"]
+
+    def filter_tool_errors(self, queryset: QuerySet[Any], name: str, value: bool | None) -> QuerySet[Any]:
+        if value is None:
+            return queryset
+        return queryset.filter(tool_errors__gt=0) if value else queryset.filter(tool_errors=0)
 
 
 class TrajectoryViewSet(viewsets.ReadOnlyModelViewSet):

@@ -267,6 +267,9 @@ class Trajectory(models.Model):
     stop_reason = models.CharField(max_length=16, blank=True,
                                    help_text="Why an episode stopped: done, max_turns, context, timeout, env_error, "
                                              "session_error")
+    turn_count = models.PositiveSmallIntegerField(default=0, help_text="An episode's model turns (0: single turn)")
+    tool_errors = models.PositiveSmallIntegerField(
+        default=0, help_text="An episode's observations that were a tool error, a timeout or a parse error")
     verdict = models.CharField(max_length=8, choices=VerdictChoice.choices, default=VerdictChoice.PENDING)
     reward = models.FloatField(null=True, blank=True)
     verdict_reason = models.TextField(blank=True)

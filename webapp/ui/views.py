@@ -38,6 +38,7 @@ from webapp.runs.models import (
 )
 from webapp.ui.charts import CHARTS, COMPARE_METRICS, sparkline_svg
 from webapp.ui.forms import RunForm
+from workers.environments.base import STOP_REASONS
 
 RUNS_PER_PAGE = 50
 TRAJECTORIES_PER_PAGE = 50
@@ -233,7 +234,8 @@ def compare(request: HttpRequest) -> HttpResponse:
 
 
 def trajectories(request: HttpRequest, run_id: int) -> HttpResponse:
-    """A run's trajectories, newest first, keyset-paginated by id, filtered by domain, verdict, reward, version."""
+    """A run's trajectories, newest first, keyset-paginated by id, filtered by domain, verdict, reward, version,
+    and for episodes by stop reason, tool errors and turn count."""
     run = _run_or_404(request, run_id)
     qs = Trajectory.objects.filter(run=run).defer(
         "prompt_token_ids", "completion_token_ids", "behaviour_logprobs", "verifier_details", "sandbox"
@@ -245,6 +247,12 @@ def trajectories(request: HttpRequest, run_id: int) -> HttpResponse:
         qs = qs.filter(verdict=verdict)
     if (version := f.get("version", "")).isdigit():
         qs = qs.filter(version=int(version))
+    if (stop := f.get("stop", "")) in STOP_REASONS:
+        qs = qs.filter(stop_reason=stop)
+    if f.get("tool_errors") == "1":
+        qs = qs.filter(tool_errors__gt=0)
+    if (turns_min := f.get("turns_min", "")).isdigit():
+        qs = qs.filter(turn_count__gte=int(turns_min))
     for key, lookup in (("reward_min", "reward__gte"), ("reward_max", "reward__lte")):
         try:
             if f.get(key, "") != "":
@@ -262,6 +270,8 @@ def trajectories(request: HttpRequest, run_id: int) -> HttpResponse:
         "run": run, "rows": rows, "more": more, "next_before": rows[-1].pk if rows else None,
         "filters": f, "base_query": query.urlencode(),
         "domains": list(run.run_domains.select_related("domain")), "verdicts": VerdictChoice.values,
+        "stop_reasons": STOP_REASONS, "episodic": any(rd.domain.environment != "single_turn"
+                                                      for rd in run.run_domains.select_related("domain")),
     })
 
 
@@ -285,8 +295,16 @@ def trajectory_detail(request: HttpRequest, trajectory_id: int) -> HttpResponse:
         Trajectory.objects.filter(run=trajectory.run, group_key=trajectory.group_key)
         .exclude(pk=trajectory.pk).order_by("sample_index").values("id", "sample_index", "verdict", "reward")
     )
+    mask_cells = []
+    for turn in trajectory.turns or []:
+        trained = turn.get("role") == "model"
+        mask_cells += [(1 if trained else 0, turn.get("role"))] * max(0, int(turn["end"]) - int(turn["start"]))
+    model_tokens = sum(m for m, _ in mask_cells)
     return render(request, "ui/trajectory.html", {
         "t": trajectory, "run": trajectory.run, "siblings": siblings,
+        "mask": "".join("█" if m else "·" for m, _ in mask_cells), "model_tokens": model_tokens,
+        "env_tokens": len(mask_cells) - model_tokens,
+        "versions": sorted({t["version"] for t in trajectory.turns or [] if t.get("version") is not None}),
         "details_json": json.dumps(trajectory.verifier_details, indent=2, sort_keys=True, default=str),
         "sandbox": trajectory.sandbox or {},
         "reference_json": json.dumps(trajectory.task.reference if trajectory.task else None, indent=2, default=str),

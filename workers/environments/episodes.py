@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -188,6 +188,15 @@ def _after_step(ep: Episode, out: Generated, obs: Observation | BaseException, b
         ep.stop_reason = "max_turns"
     elif out.finish_reason == "length" and budget < limits.max_tokens_per_turn:
         ep.stop_reason = "context"
+
+
+ERROR_STATUSES = ("tool_error", "timeout", "parse_error")
+
+
+def episode_counts(turns: Sequence[Mapping[str, Any]]) -> tuple[int, int]:
+    """(model turns, observations that were a tool error, a timeout or a parse error) of stored turns."""
+    return (sum(t.get("role") == "model" for t in turns),
+            sum(t.get("role") == "env" and t.get("status") in ERROR_STATUSES for t in turns))
 
 
 def check_invariants(prompt_ids: list[int], completion_ids: list[int], mask: list[int], turns: Sequence[Turn],

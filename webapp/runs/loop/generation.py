@@ -71,7 +71,8 @@ def write_samples(run_id: int, groups: dict[int, PromptGroup], rows: list[Sample
                        group_key=groups[r.group_id].key, sample_index=r.index, version=r.version, prompt=r.prompt,
                        completion=r.completion, prompt_token_ids=r.prompt_token_ids,
                        completion_token_ids=r.completion_token_ids, behaviour_logprobs=r.logprobs,
-                       finish_reason=r.finish_reason, turns=list(r.turns), stop_reason=r.stop_reason)
+                       finish_reason=r.finish_reason, turns=list(r.turns), stop_reason=r.stop_reason,
+                       **counts(r.turns))
             for r in rows
         ], ignore_conflicts=True)
         # one statement for every group of the batch: G samples each, all under the same version
@@ -88,6 +89,14 @@ def write_samples(run_id: int, groups: dict[int, PromptGroup], rows: list[Sample
                                        status=G.GENERATING).update(
                 status=G.VERIFYING, n_samples=n, generated_version=version, generate_s=share, generate_wait_s=wait_s,
                 holder="", updated_at=timezone.now())
+
+
+def counts(turns: Any) -> dict[str, int]:
+    """The episode's turn and error counts, stored beside its turns so the trajectory list filters on them."""
+    from workers.environments.episodes import episode_counts
+
+    turn_count, tool_errors = episode_counts(turns)
+    return {"turn_count": turn_count, "tool_errors": tool_errors}
 
 
 def load_engine(run: Run, spec: RunSpec) -> Any:

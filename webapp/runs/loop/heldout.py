@@ -19,7 +19,7 @@ from django.db import transaction
 from webapp.catalog.models import Task
 from webapp.runs import services
 from webapp.runs.loop import live, paths
-from webapp.runs.loop.generation import load_engine, play_episodes, sampling
+from webapp.runs.loop.generation import counts, load_engine, play_episodes, sampling
 from webapp.runs.loop.verification import judge, record_verdict, score_episode
 from webapp.runs.metrics import Point
 from webapp.runs.models import Evaluation, PolicyVersion, Run, RunStatus, Trajectory, VerdictChoice
@@ -75,7 +75,7 @@ def sample(run_id: int, version: int) -> int:
                        prompt_token_ids=ep.prompt_ids, completion_token_ids=ep.completion_ids,
                        finish_reason="length" if ep.stop_reason in ("max_turns", "context") else "stop",
                        turns=[turn.to_dict() for turn in ep.turns], stop_reason=ep.stop_reason or "done",
-                       is_eval=True)
+                       is_eval=True, **counts([turn.to_dict() for turn in ep.turns]))
             for n, ((_, t, _), ep) in enumerate(zip(items, played, strict=True))
         ]
     Trajectory.objects.bulk_create(rows, ignore_conflicts=True)
