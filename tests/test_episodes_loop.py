@@ -73,6 +73,8 @@ def test_a_python_tool_domain_trains_on_episodes_whose_invariants_hold(start_wor
 
     names = set(MetricPoint.objects.filter(run=run, domain=domain).values_list("name", flat=True))
     assert {"turns_mean", "tool_call_rate", "env_token_share"} <= names
+    token_lag = list(MetricPoint.objects.filter(run=run, name="staleness_token_mean").values_list("value", flat=True))
+    assert len(token_lag) == 2 and all(0 <= v <= 1 for v in token_lag)  # max_staleness 1 bounds it
     assert any(n.startswith("stop_") for n in names)
     # the API returns the turns, the page shows them as a transcript
     body = api.get(f"/api/v1/trajectories/{episodes[0].pk}/").json()

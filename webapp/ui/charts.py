@@ -25,8 +25,9 @@ CHARTS: list[dict[str, Any]] = [
     {"id": "queues", "title": "Queue depths: prompt groups per stage, in flight", "prefixes": ["groups_"],
      "names": ["in_flight"], "y": "groups"},
     {"id": "gpu_busy", "title": "GPU-busy fraction", "names": ["gpu_busy"], "y": "fraction", "range": [0, 1.05]},
-    {"id": "staleness", "title": "Staleness: mean, max, and samples per lag (versions behind)",
-     "names": ["staleness_mean", "staleness_max"], "prefixes": ["staleness_lag_"], "y": "versions / samples"},
+    {"id": "staleness", "title": "Staleness: mean, max, per sampled token of episodes, and samples per lag (versions behind)",
+     "names": ["staleness_mean", "staleness_max", "staleness_token_mean"], "prefixes": ["staleness_lag_"],
+     "y": "versions / samples"},
     {"id": "trainer", "title": "Trainer: loss, KL to the behaviour policy and to the base, entropy, clip fraction, "
                                "gradient norm",
      "names": ["loss", "kl", "kl_ref", "entropy", "clip_fraction", "grad_norm"], "y": "value"},

@@ -93,6 +93,13 @@ def step_points(run: Run, version: PolicyVersion) -> list[Point]:
                                                .exclude(stop_reason="")
                                                .values_list("domain_id", "turns", "stop_reason", "completion_token_ids")):
         episodes[domain_id].append((turns or [], stop_reason, len(ids or [])))
+    # an episode may span versions: its staleness per sampled token, by the version that sampled each turn
+    lagged = [(version.number - 1 - int(t["version"]), int(t["end"]) - int(t["start"]))
+              for rows in episodes.values() for turns, _, _ in rows for t in turns
+              if t.get("role") == "model" and t.get("version") is not None]
+    if lagged:
+        points.append(Point("staleness_token_mean", step,
+                            sum(lag * n for lag, n in lagged) / max(1, sum(n for _, n in lagged))))
     for domain_id, rows in episodes.items():
         model_turns = [t for turns, _, _ in rows for t in turns if t.get("role") == "model"]
         env_turns = [t for turns, _, _ in rows for t in turns if t.get("role") == "env"]
