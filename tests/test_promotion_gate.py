@@ -100,3 +100,38 @@ def test_the_gate_is_set_per_base_model_through_the_api(api, user):
     bad = api.patch(f"/api/v1/base-models/{bm.pk}/", {"promotion_gate": {"min_gain": 7, "typo": 1}}, format="json")
     assert bad.status_code == 400
     assert "min_gain" in str(bad.json()) and "typo" in str(bad.json())
+
+
+def test_the_gate_names_the_layer_a_regression_is_in(api, user):
+    """Two layers: capability items (a single-turn domain) and end-to-end tasks (an environment domain's
+    episodes). A version that gains on the capability layer and loses on the end-to-end one (it learnt to
+    answer without the tool) is refused, and the refusal names the layer and the domain."""
+    v = factories.verifier(user)
+    add = factories.domain(user, name="addition", verifier_row=v)
+    tool = factories.domain(user, name="product", verifier_row=v)
+    tool.environment = "python_tool"
+    tool.save(update_fields=["environment"])
+    run = do_create_run(user, name="layers", base_model=factories.base_model(user),
+                        domains=[DomainWeight(add), DomainWeight(tool)])
+    v0 = PolicyVersion.objects.create(run=run, number=0)
+    v1 = PolicyVersion.objects.create(run=run, number=1, parent=v0)
+    factories.evaluation(v0, add, [1.0] * 20 + [0.0] * 30)
+    factories.evaluation(v0, tool, [1.0] * 40 + [0.0] * 10)
+    factories.evaluation(v1, add, [1.0] * 45 + [0.0] * 5)   # +50 points on the capability layer
+    factories.evaluation(v1, tool, [1.0] * 25 + [0.0] * 25)  # -30 points end to end
+    body = api.get(f"/api/v1/policy-versions/{v1.pk}/compare/?against=base").json()
+    assert body["gain"] > 0  # the average rises: one number would hide the loss
+    layers = body["layers"]
+    assert layers["capability"]["regressions"] == [] and layers["capability"]["gain"] == pytest.approx(0.5)
+    assert layers["end_to_end"]["regressions"] == ["product"] and layers["end_to_end"]["gain"] == pytest.approx(-0.3)
+    assert {d["domain"]: d["layer"] for d in body["domains"]} == {"addition": "capability", "product": "end_to_end"}
+    refused = api.post(f"/api/v1/policy-versions/{v1.pk}/promote/", {"alias": "production"}, format="json")
+    assert refused.status_code == 409
+    assert "end-to-end layer: product regressed against v0" in refused.json()["detail"]
+    assert "capability layer" not in refused.json()["detail"]
+    from django.test import Client
+
+    client = Client()
+    client.force_login(user)
+    page = client.get(f"/versions/{v1.pk}/").content.decode()
+    assert "end-to-end" in page and "layer average" in page and "regression: product" in page

@@ -57,6 +57,9 @@ class DomainComparison:
     domain: str
     score: float | None
     baseline: float | None
+    layer: str = "capability"
+    """``capability`` (a single-turn domain's held-out items) or ``end_to_end`` (an environment domain's
+    held-out tasks, played as whole episodes in sandbox sessions)."""
     delta: float | None = None
     ci95: tuple[float, float] | None = None
     paired_tasks: int = 0
@@ -78,12 +81,28 @@ class Comparison:
     def regressions(self) -> list[DomainComparison]:
         return [d for d in self.domains if d.regression]
 
+    def layers(self) -> dict[str, dict[str, Any]]:
+        """Each evaluation layer on its own: its domains' average on both sides and its regressions, so one
+        layer's gain never hides the other's loss."""
+        out: dict[str, dict[str, Any]] = {}
+        for layer in LAYERS:
+            rows = [d for d in self.domains if d.layer == layer]
+            if not rows:
+                continue
+            scored = [d for d in rows if d.score is not None and d.baseline is not None]
+            average = statistics.fmean(d.score for d in scored) if scored else None  # type: ignore[misc]
+            baseline = statistics.fmean(d.baseline for d in scored) if scored else None  # type: ignore[misc]
+            out[layer] = {"domains": [d.domain for d in rows], "average": average, "baseline_average": baseline,
+                          "gain": None if average is None or baseline is None else average - baseline,
+                          "regressions": [d.domain for d in rows if d.regression]}
+        return out
+
     def to_dict(self) -> dict[str, Any]:
         return {"version": self.version, "baseline": self.baseline, "suite": self.suite,
                 "average": self.average, "baseline_average": self.baseline_average,
                 "gain": None if self.average is None or self.baseline_average is None
                 else self.average - self.baseline_average,
-                "regressions": [d.domain for d in self.regressions],
+                "regressions": [d.domain for d in self.regressions], "layers": self.layers(),
                 "domains": [asdict(d) for d in self.domains]}
 
 
@@ -129,7 +148,7 @@ def compare(version: PolicyVersion, baseline: PolicyVersion | None, suite: str =
         a, b = mine.get(domain_id), theirs.get(domain_id)
         name = (a or b).domain.name  # type: ignore[union-attr]
         row = DomainComparison(domain_id=domain_id, domain=name, score=a.score if a else None,
-                               baseline=b.score if b else None)
+                               baseline=b.score if b else None, layer=layer_of((a or b).domain))  # type: ignore[union-attr]
         if a is None or b is None:
             row.note = "not evaluated" if a is None else "baseline not evaluated"
         else:
@@ -148,6 +167,15 @@ def compare(version: PolicyVersion, baseline: PolicyVersion | None, suite: str =
         result.average = statistics.fmean(d.score for d in scored)  # type: ignore[misc]
         result.baseline_average = statistics.fmean(d.baseline for d in scored)  # type: ignore[misc]
     return result
+
+
+LAYERS = ("capability", "end_to_end")
+LAYER_NAMES = {"capability": "capability", "end_to_end": "end-to-end"}
+
+
+def layer_of(domain: Any) -> str:
+    """A domain's evaluation layer: end-to-end when its tasks are episodes in an environment."""
+    return "end_to_end" if getattr(domain, "environment", "single_turn") != "single_turn" else "capability"
 
 
 def base_version(version: PolicyVersion) -> PolicyVersion | None:
@@ -176,7 +204,7 @@ def check_gate(version: PolicyVersion, alias: str, baseline: PolicyVersion | Non
     if config.require_no_regression:
         for d in comparison.regressions:
             assert d.ci95 is not None and d.delta is not None
-            reasons.append(f"{d.domain} regressed against {label}: {d.delta:+.3f} "
+            reasons.append(f"{LAYER_NAMES[d.layer]} layer: {d.domain} regressed against {label}: {d.delta:+.3f} "
                            f"(95% CI {d.ci95[0]:+.3f} to {d.ci95[1]:+.3f})")
     if comparison.average is not None and comparison.baseline_average is not None:
         gain = comparison.average - comparison.baseline_average

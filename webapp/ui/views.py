@@ -374,7 +374,7 @@ def version_detail(request: HttpRequest, version_id: int) -> HttpResponse:
              "api": f"/api/v1/policy-versions/{version.pk}/"}
     return render(request, "ui/version.html", {
         "v": version, "run": version.run, "baseline": baseline, "against": against, "comparison": comparison,
-        "gate": gate, "config": config, "lineage": lineage, "evaluations": evaluations,
+        "layers": comparison.layers(), "gate": gate, "config": config, "lineage": lineage, "evaluations": evaluations,
         "children": version.children.order_by("number")[:20], "aliases": _current_aliases(version.run.base_model)
         .get(version.pk, []), "alias_choices": [a for a in Alias.values if a != Alias.PREVIOUS],
         "siblings": visible.filter(run=version.run).order_by("-number")[:200],
