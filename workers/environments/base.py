@@ -12,7 +12,8 @@ the transcript and the task the environment holds — never from a file the mode
 session (OpenEnv #1199). A malformed action is an observation with status ``parse_error``, counted, never
 an exception; a tool that fails is ``tool_error``; a tool that runs past its limit is ``timeout``.
 
-Registered by name in ``ENVIRONMENTS`` (a literal name → dotted path table) and imported lazily; each
+Registered by name in ``ENVIRONMENTS`` (a literal name → dotted path table) and imported lazily; a deployment
+adds its own with ``TEMPER_ENVIRONMENTS="name=package.module:Class,…"`` (``bench/envs.py`` is one). Each
 declares its parameters as a pydantic ``Params`` model, validated when a domain names the environment and
 shown on the domain page.
 """
@@ -20,6 +21,8 @@ shown on the domain page.
 from __future__ import annotations
 
 import importlib
+import os
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Protocol
@@ -135,17 +138,51 @@ class EnvironmentError_(ValueError):
         super().__init__("; ".join(problems))
 
 
-ENVIRONMENTS: dict[str, str] = {
+BUILTIN_ENVIRONMENTS: dict[str, str] = {
     "single_turn": "workers.environments.single_turn:SingleTurn",
     "python_tool": "workers.environments.python_tool:PythonTool",
 }
+
+_NAME = re.compile(r"[a-z][a-z0-9_]*")
+_TARGET = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
+
+
+def parse_environments(text: str, source: str = "TEMPER_ENVIRONMENTS") -> dict[str, str]:
+    """A deployment's own environments, ``"name=module:Class,name2=module:Class2"`` (as ``TEMPER_ENVIRONMENTS``
+    holds them), checked for form only: the class is imported when an episode needs it, like the built-in ones.
+    A malformed entry, a repeated name or one that would replace a built-in environment is a ``ValueError``
+    naming the entry."""
+    out: dict[str, str] = {}
+    for raw in text.split(","):
+        entry = raw.strip()
+        if not entry:
+            continue
+        name, sep, target = (part.strip() for part in entry.partition("="))
+        if not sep or not _NAME.fullmatch(name) or not _TARGET.fullmatch(target):
+            raise ValueError(f"{source}: malformed entry {entry!r}; write name=package.module:Class "
+                             f"(a lower-case name), entries separated by commas")
+        if name in BUILTIN_ENVIRONMENTS:
+            raise ValueError(f"{source}: entry {entry!r} would replace the built-in environment {name!r}")
+        if name in out:
+            raise ValueError(f"{source}: entry {entry!r} names {name!r} a second time")
+        out[name] = target
+    return out
+
+
+ENVIRONMENTS: dict[str, str] = {**BUILTIN_ENVIRONMENTS, **parse_environments(os.environ.get("TEMPER_ENVIRONMENTS", ""))}
+"""Every environment by name: the built-in ones and those the deployment registers in ``TEMPER_ENVIRONMENTS``
+(read once, when this module is imported; every process that makes or scores episodes needs the same value)."""
 
 
 def environment_class(name: str) -> type[Any]:
     if name not in ENVIRONMENTS:
         raise EnvironmentError_([f"environment: unknown environment {name!r}; known: {', '.join(ENVIRONMENTS)}"])
     module, _, attr = ENVIRONMENTS[name].partition(":")
-    cls: type[Any] = getattr(importlib.import_module(module), attr)
+    try:
+        cls: type[Any] = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as exc:  # a deployment's entry naming what is not there
+        raise EnvironmentError_([f"environment: {name!r} is registered as {ENVIRONMENTS[name]!r}, which cannot "
+                                 f"be imported: {type(exc).__name__}: {exc}"]) from None
     return cls
 
 
