@@ -138,6 +138,11 @@ def _encode_rows(tokenizer: Any, rows: list[dict[str, str]]) -> tuple[torch.Tens
         a = [*tokenizer.encode(row["answer"], add_special_tokens=False), eos]
         seqs.append(p + a)
         masks.append([0] * len(p) + [1] * len(a))
+    return pad_batch(tokenizer, seqs, masks)
+
+
+def pad_batch(tokenizer: Any, seqs: list[list[int]], masks: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded token ids [B, L] and their loss mask [B, L] (0 on padding)."""
     width = max(len(s) for s in seqs)
     ids = torch.full((len(seqs), width), tokenizer.pad_token_id, dtype=torch.long)
     mask = torch.zeros((len(seqs), width), dtype=torch.long)
@@ -145,6 +150,37 @@ def _encode_rows(tokenizer: Any, rows: list[dict[str, str]]) -> tuple[torch.Tens
         ids[i, : len(s)] = torch.tensor(s)
         mask[i, : len(m)] = torch.tensor(m)
     return ids, mask
+
+
+def masked_lm_step(model: Any, opt: Any, ids: torch.Tensor, mask: torch.Tensor) -> float:
+    """One optimiser step of next-token cross-entropy on the tokens where ``mask`` is 1; returns the loss."""
+    logits = model(input_ids=ids).logits[:, :-1]
+    targets = ids[:, 1:]
+    tmask = mask[:, 1:].float()
+    nll = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none"
+    )
+    loss = (nll * tmask.reshape(-1)).sum() / tmask.sum()
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    return float(loss)
+
+
+def save_model(model: Any, tokenizer: Any, out_dir: str | Path) -> Path:
+    """Write a Hugging Face model directory every loader here reads (vLLM and transformers 4 included)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.config.architectures = ["Qwen2ForCausalLM"]
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    fix_up_hf_files(out)
+    for f in out.iterdir():
+        f.chmod(0o644)  # safetensors writes 0600; the artifact store is shared between users
+    return out
 
 
 @torch.no_grad()
@@ -211,18 +247,7 @@ def build_demo_model(
         ids, mask = _encode_rows(tokenizer, rows)
         for group in opt.param_groups:
             group["lr"] = lr * min(1.0, step / warmup)
-        logits = model(input_ids=ids).logits[:, :-1]
-        targets = ids[:, 1:]
-        tmask = mask[:, 1:].float()
-        nll = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none"
-        )
-        loss = (nll * tmask.reshape(-1)).sum() / tmask.sum()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        info = {"loss": float(loss)}
+        info = {"loss": masked_lm_step(model, opt, ids, mask)}
         if step % eval_every == 0 and step >= 100:
             acc = greedy_accuracy(model, tokenizer, heldout)
             history.append((step, acc))
@@ -240,16 +265,7 @@ def build_demo_model(
     if best is None:
         raise RuntimeError("demo model pre-training ended before any held-out evaluation; raise max_steps")
     model.load_state_dict(best[2])
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    model.config.architectures = ["Qwen2ForCausalLM"]
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
-    fix_up_hf_files(out)
-    for f in out.iterdir():
-        f.chmod(0o644)  # safetensors writes 0600; the artifact store is shared between users
+    out = save_model(model, tokenizer, out_dir)
     mult_heldout = demo_tasks("multiplication", 300, seed=seed, split="heldout")
     report: dict[str, Any] = {
         "seed": seed,

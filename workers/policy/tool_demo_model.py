@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from workers.policy.demo_model import build_tokenizer, fix_up_hf_files, model_config
+from workers.policy.demo_model import build_tokenizer, masked_lm_step, model_config, pad_batch, save_model
 from workers.policy.demo_tasks import _split_pool, demo_tasks
 
 CONTEXT = 128
@@ -87,13 +87,7 @@ def _encode(tokenizer: Any, pieces_list: list[list[tuple[str, bool]]]) -> tuple[
         mask.append(1)
         seqs.append(ids)
         masks.append(mask)
-    width = max(len(s) for s in seqs)
-    out = torch.full((len(seqs), width), tokenizer.pad_token_id, dtype=torch.long)
-    out_mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for i, (s, m) in enumerate(zip(seqs, masks, strict=True)):
-        out[i, : len(s)] = torch.tensor(s)
-        out_mask[i, : len(m)] = torch.tensor(m)
-    return out, out_mask
+    return pad_batch(tokenizer, seqs, masks)
 
 
 @torch.no_grad()
@@ -196,16 +190,7 @@ def build_tool_demo_model(
         ids, mask = _encode(tokenizer, batch)
         for group in opt.param_groups:
             group["lr"] = lr * min(1.0, step / warmup) * (0.1 + 0.9 * (1 - step / steps))
-        logits = model(input_ids=ids).logits[:, :-1]
-        nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
-                                                reduction="none")
-        tmask = mask[:, 1:].float().reshape(-1)
-        loss = (nll * tmask).sum() / tmask.sum()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        info: dict[str, float] = {"loss": float(loss)}
+        info: dict[str, float] = {"loss": masked_lm_step(model, opt, ids, mask)}
         if step % eval_every == 0 or step == steps:
             greedy = episode_accuracy(model, tokenizer, products, sample=False)
             sampled = episode_accuracy(model, tokenizer, products, sample=True)
@@ -218,16 +203,7 @@ def build_tool_demo_model(
                 break
         if progress is not None:
             progress(step, steps, info)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    model.config.architectures = ["Qwen2ForCausalLM"]
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
-    fix_up_hf_files(out)
-    for f in out.iterdir():
-        f.chmod(0o644)
+    out = save_model(model, tokenizer, out_dir)
     report: dict[str, Any] = {
         "seed": seed, "steps": steps, "tool_share": tool_share, "long_tool_share": long_tool_share,
         "parameters": sum(p.numel() for p in model.parameters()),
