@@ -28,8 +28,16 @@ from typing import Any, ClassVar
 
 from pydantic import Field
 
-from workers.environments.base import EnvParams, EnvTask, Judge, Observation, ObservationStatus, Transcript
-from workers.verifiers.base import Verdict, invalid
+from workers.environments.base import (
+    EnvParams,
+    EnvTask,
+    Judge,
+    Observation,
+    ObservationStatus,
+    Transcript,
+    judge_final_answer,
+)
+from workers.verifiers.base import Verdict
 
 
 class SlowTool:
@@ -86,9 +94,7 @@ class SlowTool:
         return Observation(f"\n{shown}\n{self.task.prompt}", status=status, info={**info, "result": shown})
 
     def score(self, transcript: Transcript) -> Verdict:
-        if transcript.stop_reason in ("env_error", "session_error"):
-            return invalid(f"the episode ended on {transcript.stop_reason}")
-        return self.judge(transcript.task, transcript.final_text)
+        return judge_final_answer(self.judge, transcript)
 
     def close(self) -> None:
         self.task, self.session = None, None

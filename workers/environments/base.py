@@ -29,7 +29,7 @@ from typing import Any, ClassVar, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from workers.verifiers.base import Verdict, format_validation_error
+from workers.verifiers.base import Verdict, format_validation_error, invalid
 
 ObservationStatus = Literal["ok", "done", "tool_error", "parse_error", "timeout", "env_error"]
 StopReason = Literal["done", "max_turns", "context", "timeout", "env_error", "session_error"]
@@ -124,6 +124,14 @@ class Environment(Protocol):
 
 Judge = Callable[[EnvTask, str], Verdict]
 """(task, completion) -> verdict: the domain's verifier on the task's reference."""
+
+
+def judge_final_answer(judge: Judge, transcript: Transcript) -> Verdict:
+    """The usual ``score``: the domain's verifier on the model's last turn, or invalid when the episode
+    ended because the environment or its session broke (no fault of the model's, so no reward either way)."""
+    if transcript.stop_reason in ("env_error", "session_error"):
+        return invalid(f"the episode ended on {transcript.stop_reason}")
+    return judge(transcript.task, transcript.final_text)
 
 
 class EnvParams(BaseModel):

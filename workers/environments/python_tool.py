@@ -18,8 +18,16 @@ from typing import Any, ClassVar
 
 from pydantic import Field
 
-from workers.environments.base import EnvParams, EnvTask, Judge, Observation, ObservationStatus, Transcript
-from workers.verifiers.base import Verdict, invalid
+from workers.environments.base import (
+    EnvParams,
+    EnvTask,
+    Judge,
+    Observation,
+    ObservationStatus,
+    Transcript,
+    judge_final_answer,
+)
+from workers.verifiers.base import Verdict
 
 _CALL = re.compile(r"<py>(.*?)</py>", re.DOTALL)
 
@@ -78,9 +86,7 @@ class PythonTool:
                            info={"tool": "python", "args": code, "result": shown, "latency_s": latency})
 
     def score(self, transcript: Transcript) -> Verdict:
-        if transcript.stop_reason in ("env_error", "session_error"):
-            return invalid(f"the episode ended on {transcript.stop_reason}")
-        return self.judge(transcript.task, transcript.final_text)
+        return judge_final_answer(self.judge, transcript)
 
     def close(self) -> None:
         self.task, self.session = None, None
