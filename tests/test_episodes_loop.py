@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import time
+from typing import Any
 
 import pytest
 
@@ -15,11 +16,20 @@ from tests.test_pipeline import wait_status
 from webapp.catalog.models import BaseModel, TaskDomain
 from webapp.catalog.services import do_import_tasks
 from webapp.runs.loop.accounting import accounting
+from webapp.runs.loop.training import loss_mask
 from webapp.runs.models import PromptGroup, Trajectory
 from workers.environments.base import Turn
 from workers.environments.episodes import check_invariants
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
+
+
+def stored_episode_problems(t: Trajectory, decode: Any) -> list[str]:
+    """What breaks the token invariants of a stored episode, with the loss mask the trainer builds from it."""
+    turns = [Turn.from_dict(d) for d in t.turns]
+    mask = loss_mask(t.turns, len(t.completion_token_ids)) or []
+    return check_invariants(t.prompt_token_ids, t.completion_token_ids, mask, turns,
+                            lambda ids: decode(ids, skip_special_tokens=True))
 
 SPEC = {
     "algorithm": {"learning_rate": 1e-3, "lora_rank": 8, "updates_per_batch": 1},
@@ -58,13 +68,7 @@ def test_a_python_tool_domain_trains_on_episodes_whose_invariants_hold(start_wor
     for t in episodes:
         turns = [Turn.from_dict(d) for d in t.turns]
         assert turns and turns[0].role == "model" and t.stop_reason in ("done", "max_turns", "context")
-        mask = [0] * len(t.completion_token_ids)
-        for turn in turns:
-            if turn.role == "model":
-                mask[turn.start:turn.end] = [1] * (turn.end - turn.start)
-        problems = check_invariants(t.prompt_token_ids, t.completion_token_ids, mask, turns,
-                                    lambda ids: decode(ids, skip_special_tokens=True))
-        assert not problems, (t.pk, problems)
+        assert not (problems := stored_episode_problems(t, decode)), (t.pk, problems)
         assert len(t.behaviour_logprobs) == len(t.completion_token_ids)
         assert t.verdict in ("pass", "fail"), (t.verdict, t.verdict_reason)  # scored from the transcript
         assert t.completion == turns[[i for i, x in enumerate(turns) if x.role == "model"][-1]].text
@@ -98,10 +102,4 @@ def test_a_python_tool_domain_trains_on_episodes_whose_invariants_hold(start_wor
     assert len(evaluated) == 8 and all(t.turns and t.stop_reason for t in evaluated)
     assert all(t.verdict in ("pass", "fail") for t in evaluated), [(t.verdict, t.verdict_reason) for t in evaluated]
     for t in evaluated:
-        turns = [Turn.from_dict(d) for d in t.turns]
-        mask = [0] * len(t.completion_token_ids)
-        for turn in turns:
-            if turn.role == "model":
-                mask[turn.start:turn.end] = [1] * (turn.end - turn.start)
-        assert not check_invariants(t.prompt_token_ids, t.completion_token_ids, mask, turns,
-                                    lambda ids: decode(ids, skip_special_tokens=True))
+        assert not (problems := stored_episode_problems(t, decode)), (t.pk, problems)

@@ -11,11 +11,10 @@ from __future__ import annotations
 import pytest
 from django.core.management import call_command
 
+from tests.test_episodes_loop import stored_episode_problems
 from tests.test_pipeline import wait_status
 from webapp.runs.loop.accounting import accounting
 from webapp.runs.models import Evaluation, MetricPoint, Run, Trajectory
-from workers.environments.base import Turn
-from workers.environments.episodes import check_invariants
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
@@ -50,14 +49,7 @@ def test_the_tool_demo_learns_to_compute_products_with_the_tool(start_worker, ap
     stored = list(Trajectory.objects.filter(run=run).exclude(completion_token_ids=[]))
     assert stored
     for t in stored:
-        turns = [Turn.from_dict(d) for d in t.turns]
-        mask = [0] * len(t.completion_token_ids)
-        for turn in turns:
-            if turn.role == "model":
-                mask[turn.start:turn.end] = [1] * (turn.end - turn.start)
-        problems = check_invariants(t.prompt_token_ids, t.completion_token_ids, mask, turns,
-                                    lambda ids: decode(ids, skip_special_tokens=True))
-        assert not problems, (t.pk, problems)
+        assert not (problems := stored_episode_problems(t, decode)), (t.pk, problems)
     # the API filters episodes by stop reason and turn count
     body = api.get(f"/api/v1/trajectories/?run={run.pk}&stop_reason=done&turns_min=2&page_size=50").json()
     assert body["results"] and all(r["stop_reason"] == "done" and r["turn_count"] >= 2 for r in body["results"])

@@ -24,6 +24,7 @@ from webapp.catalog.models import BaseModel, TaskDomain
 from webapp.common.errors import TemperError, ValidationFailed
 from webapp.runs import metrics as metric_store
 from webapp.runs import services
+from webapp.runs.loop.training import loss_mask
 from webapp.runs.models import (
     Alias,
     AliasEvent,
@@ -295,15 +296,11 @@ def trajectory_detail(request: HttpRequest, trajectory_id: int) -> HttpResponse:
         Trajectory.objects.filter(run=trajectory.run, group_key=trajectory.group_key)
         .exclude(pk=trajectory.pk).order_by("sample_index").values("id", "sample_index", "verdict", "reward")
     )
-    mask_cells = []
-    for turn in trajectory.turns or []:
-        trained = turn.get("role") == "model"
-        mask_cells += [(1 if trained else 0, turn.get("role"))] * max(0, int(turn["end"]) - int(turn["start"]))
-    model_tokens = sum(m for m, _ in mask_cells)
+    mask = loss_mask(trajectory.turns, len(trajectory.completion_token_ids)) or []  # what the trainer used
     return render(request, "ui/trajectory.html", {
         "t": trajectory, "run": trajectory.run, "siblings": siblings,
-        "mask": "".join("█" if m else "·" for m, _ in mask_cells), "model_tokens": model_tokens,
-        "env_tokens": len(mask_cells) - model_tokens,
+        "mask": "".join("█" if m else "·" for m in mask), "model_tokens": sum(mask),
+        "env_tokens": len(mask) - sum(mask),
         "versions": sorted({t["version"] for t in trajectory.turns or [] if t.get("version") is not None}),
         "details_json": json.dumps(trajectory.verifier_details, indent=2, sort_keys=True, default=str),
         "sandbox": trajectory.sandbox or {},

@@ -177,13 +177,18 @@ def run_group_episodes(run: Run, spec: RunSpec, engine: Any, groups: list[Prompt
     episodes = [(groups[n // group_size], n % group_size, ep) for n, ep in enumerate(played)]
     rows = []
     for g, i, ep in episodes:
-        versions = ep.versions or [run.latest_version]
-        rows.append(SampleRow(
-            group_id=g.pk, index=i, prompt=ep.task.prompt, completion=ep.transcript.final_text,
-            prompt_token_ids=ep.prompt_ids, completion_token_ids=ep.completion_ids, logprobs=ep.logprobs,
-            finish_reason="length" if ep.stop_reason in ("max_turns", "context") else "stop", version=min(versions),
-            turns=tuple(t.to_dict() for t in ep.turns), stop_reason=ep.stop_reason or "done"))
+        record = episode_record(ep)
+        rows.append(SampleRow(group_id=g.pk, index=i, logprobs=ep.logprobs, version=min(ep.versions or [run.latest_version]),
+                              **{**record, "turns": tuple(record["turns"])}))
     return rows, device_s
+
+
+def episode_record(ep: Any) -> dict[str, Any]:
+    """What a trajectory stores of a played episode (training and evaluation alike)."""
+    return {"prompt": ep.task.prompt, "completion": ep.transcript.final_text, "prompt_token_ids": ep.prompt_ids,
+            "completion_token_ids": ep.completion_ids,
+            "finish_reason": "length" if ep.stop_reason in ("max_turns", "context") else "stop",
+            "turns": [t.to_dict() for t in ep.turns], "stop_reason": ep.stop_reason or "done"}
 
 
 MAX_LIVE_EPISODES = 128

@@ -19,7 +19,7 @@ from django.db import transaction
 from webapp.catalog.models import Task
 from webapp.runs import services
 from webapp.runs.loop import live, paths
-from webapp.runs.loop.generation import counts, load_engine, play_episodes, sampling
+from webapp.runs.loop.generation import counts, episode_record, load_engine, play_episodes, sampling
 from webapp.runs.loop.verification import judge, record_verdict, score_episode
 from webapp.runs.metrics import Point
 from webapp.runs.models import Evaluation, PolicyVersion, Run, RunStatus, Trajectory, VerdictChoice
@@ -66,18 +66,13 @@ def sample(run_id: int, version: int) -> int:
     ]
     if episodic:  # multi-turn domains are evaluated as they are trained: whole episodes, greedy turns
         items = [(rd.domain, t, spec.seed + i) for rd, ts in episodic for t in ts for i in range(k)]
-        greedy = k == 1
-        played, _ = play_episodes(run, spec, engine, items, 0.0 if greedy else spec.sampling.temperature,
-                                  1.0 if greedy else spec.sampling.top_p, version=version)
-        rows += [
-            Trajectory(run=run, task=t, domain_id=t.domain_id, group_key=messages.eval_key(version, k, t.pk),
-                       sample_index=n % k, version=version, prompt=ep.task.prompt, completion=ep.transcript.final_text,
-                       prompt_token_ids=ep.prompt_ids, completion_token_ids=ep.completion_ids,
-                       finish_reason="length" if ep.stop_reason in ("max_turns", "context") else "stop",
-                       turns=[turn.to_dict() for turn in ep.turns], stop_reason=ep.stop_reason or "done",
-                       is_eval=True, **counts([turn.to_dict() for turn in ep.turns]))
-            for n, ((_, t, _), ep) in enumerate(zip(items, played, strict=True))
-        ]
+        params = sampling(spec, k, greedy=k == 1)
+        played, _ = play_episodes(run, spec, engine, items, params.temperature, params.top_p, version=version)
+        for n, ((_, t, _), ep) in enumerate(zip(items, played, strict=True)):
+            record = episode_record(ep)
+            rows.append(Trajectory(run=run, task=t, domain_id=t.domain_id, group_key=messages.eval_key(version, k, t.pk),
+                                   sample_index=n % k, version=version, is_eval=True, **record,
+                                   **counts(record["turns"])))
     Trajectory.objects.bulk_create(rows, ignore_conflicts=True)
     for rd, domain_tasks in per_domain:
         Evaluation.objects.update_or_create(version=version_row, domain=rd.domain, suite="heldout", defaults={
