@@ -54,6 +54,9 @@ class Observation:
     status: ObservationStatus = "ok"
     info: Mapping[str, Any] = field(default_factory=dict)
     """What a transcript records of the step: the tool's name, its arguments, its result, its latency."""
+    role: Literal["tool", "user"] = "tool"
+    """Who speaks in a chat model's transcript: a tool's result, or the user's (the environment's) reply.
+    A model without a chat template is shown ``text`` as it is, whatever the role."""
 
 
 @dataclass
