@@ -9,6 +9,7 @@ knows the tool, so that every path of an episode is reached on purpose).
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ from workers.environments.episodes import (
     Episode,
     EpisodeLimits,
     Generated,
+    TokenIO,
     check_invariants,
     engine_io,
     run_episodes,
@@ -47,20 +49,20 @@ def judge_for(answer: str):
     return lambda task, completion: verifier.judge(JudgeInput(task.prompt, completion, {"answer": answer}))
 
 
-def scripted(engine, replies: list[str]):
+def scripted(engine, replies: list[str]) -> TokenIO:
     """A policy that says ``replies`` in turn, tokenized by the real tokenizer (its k-th reply follows the
     k-th observation of the context)."""
-    _, encode_prompt, encode, decode = engine_io(engine)
+    io = engine_io(engine)
 
     def generate(contexts, max_tokens, stop):
         out = []
         for context in contexts:
-            k = decode(context).count("<out>")
-            ids = encode(replies[min(k, len(replies) - 1)])[:max_tokens]
+            k = io.decode(context).count("<out>")
+            ids = engine.tokenizer.encode(replies[min(k, len(replies) - 1)], add_special_tokens=False)[:max_tokens]
             out.append(Generated(ids, [-0.5] * len(ids), "stop", 7))
         return out
 
-    return generate, encode_prompt, encode, decode
+    return replace(io, generate=generate)
 
 
 FAST_CELLS = SessionLimits(cell_wall_seconds=0.5)
@@ -80,25 +82,25 @@ def finish(ep: Episode):
 
 
 def test_single_turn_is_the_degenerate_episode(engine):
-    generate, encode_prompt, encode, decode = engine_io(engine, temperature=0.0)
+    io = engine_io(engine, temperature=0.0)
     ep = Episode(env=make_environment("single_turn", {}, judge_for("46")), task=EnvTask(prompt="12+34="))
-    run_episodes([ep], generate, encode_prompt, encode, decode, EpisodeLimits(max_tokens_per_turn=6))
+    run_episodes([ep], io, EpisodeLimits(max_tokens_per_turn=6))
     assert ep.stop_reason == "done" and [t.role for t in ep.turns] == ["model"]
-    assert all(m == 1 for m in ep.mask) and ep.prompt_ids == encode_prompt("12+34=")
-    assert not check_invariants(ep.prompt_ids, ep.completion_ids, ep.mask, ep.turns, decode)
+    assert all(m == 1 for m in ep.mask) and ep.prompt_ids == io.prompt_ids("12+34=")
+    assert not check_invariants(ep.prompt_ids, ep.completion_ids, ep.mask, ep.turns, io.decode)
     greedy = engine.generate(["12+34="], SamplingParams(temperature=0.0, max_tokens=6))[0]
     assert ep.completion_ids == greedy.completion_token_ids  # the same tokens the single-turn path samples
 
 
 def test_a_tool_call_runs_in_the_session_and_its_output_is_an_observation(engine, sessions):
-    generate, encode_prompt, encode, decode = scripted(engine, ["<py>x = 12 * 34\nprint(x)</py>", "Answer: 408"])
+    io = scripted(engine, ["<py>x = 12 * 34\nprint(x)</py>", "Answer: 408"])
     ep = episode("python_tool", sessions, "What is 12*34?", "408")
-    run_episodes([ep], generate, encode_prompt, encode, decode, EpisodeLimits())
+    run_episodes([ep], io, EpisodeLimits())
     assert [(t.role, t.status) for t in ep.turns] == [("model", "ok"), ("env", "ok"), ("model", "ok")]
     assert ep.turns[1].text == "<out>408</out>\n" and ep.turns[1].tool == "python"
     assert ep.turns[1].args == "x = 12 * 34\nprint(x)"
     assert ep.stop_reason == "done"
-    assert not check_invariants(ep.prompt_ids, ep.completion_ids, ep.mask, ep.turns, decode)
+    assert not check_invariants(ep.prompt_ids, ep.completion_ids, ep.mask, ep.turns, io.decode)
     # the mask is 1 exactly on the model's own turns
     env_span = ep.turns[1]
     assert set(ep.mask[env_span.start:env_span.end]) == {0} and set(ep.mask[:env_span.start]) == {1}
@@ -106,19 +108,18 @@ def test_a_tool_call_runs_in_the_session_and_its_output_is_an_observation(engine
 
 
 def test_a_tool_that_loops_forever_is_a_timeout_observation_and_the_episode_goes_on(engine, sessions):
-    generate, encode_prompt, encode, decode = scripted(engine, ["<py>while True: pass</py>", "<py>print(2+2)</py>",
-                                                                "Answer: 4"])
+    io = scripted(engine, ["<py>while True: pass</py>", "<py>print(2+2)</py>", "Answer: 4"])
     ep = episode("python_tool", sessions, "2+2?", "4")
-    run_episodes([ep], generate, encode_prompt, encode, decode, EpisodeLimits())
+    run_episodes([ep], io, EpisodeLimits())
     statuses = [t.status for t in ep.turns if t.role == "env"]
     assert statuses == ["timeout", "ok"] and ep.stop_reason == "done"
     assert finish(ep).status == "pass"
 
 
 def test_a_malformed_call_is_an_error_observation_counted_not_an_exception(engine, sessions):
-    generate, encode_prompt, encode, decode = scripted(engine, ["<py>print(1", "Answer: 1"])
+    io = scripted(engine, ["<py>print(1", "Answer: 1"])
     ep = episode("python_tool", sessions, "one?", "1")
-    run_episodes([ep], generate, encode_prompt, encode, decode, EpisodeLimits())
+    run_episodes([ep], io, EpisodeLimits())
     assert [t.status for t in ep.turns if t.role == "env"] == ["parse_error"]
     assert "not closed" in ep.turns[1].text and ep.stop_reason == "done"
     finish(ep)
@@ -126,36 +127,36 @@ def test_a_malformed_call_is_an_error_observation_counted_not_an_exception(engin
 
 def test_a_model_that_writes_a_fake_reward_file_gains_nothing(engine, sessions):
     hack = "<py>open('reward', 'w').write('1.0'); open('score.json', 'w').write('{\"pass\": true}'); print('correct')</py>"
-    generate, encode_prompt, encode, decode = scripted(engine, [hack, "Answer: 7"])
+    io = scripted(engine, [hack, "Answer: 7"])
     ep = episode("python_tool", sessions, "What is 6*7?", "42")
-    run_episodes([ep], generate, encode_prompt, encode, decode, EpisodeLimits(max_tokens_per_turn=200))
+    run_episodes([ep], io, EpisodeLimits(max_tokens_per_turn=200))
     assert ep.turns[1].text == "<out>correct</out>\n"
     verdict = finish(ep)
     assert verdict.status == "fail" and verdict.score == 0.0
 
 
 def test_limits_end_episodes_with_their_reason(engine, sessions):
-    generate, encode_prompt, encode, decode = scripted(engine, ["<py>print(1)</py>"])  # never answers
+    io = scripted(engine, ["<py>print(1)</py>"])  # never answers
     ep = episode("python_tool", sessions, "loop", "1")
-    run_episodes([ep], generate, encode_prompt, encode, decode, EpisodeLimits(max_turns=3))
+    run_episodes([ep], io, EpisodeLimits(max_turns=3))
     assert ep.stop_reason == "max_turns" and sum(t.role == "model" for t in ep.turns) == 3
     finish(ep)
-    generate, encode_prompt, encode, decode = scripted(engine, ["<py>print('a' * 40)</py>"])
+    io = scripted(engine, ["<py>print('a' * 40)</py>"])
     tight = episode("python_tool", sessions, "context", "1")
-    run_episodes([tight], generate, encode_prompt, encode, decode, EpisodeLimits(max_turns=50, context_tokens=60))
+    run_episodes([tight], io, EpisodeLimits(max_turns=50, context_tokens=60))
     assert tight.stop_reason == "context" and len(tight.prompt_ids) + len(tight.completion_ids) <= 60
-    assert not check_invariants(tight.prompt_ids, tight.completion_ids, tight.mask, tight.turns, decode)
+    assert not check_invariants(tight.prompt_ids, tight.completion_ids, tight.mask, tight.turns, io.decode)
     finish(tight)
 
 
 def test_real_samples_of_the_demo_model_keep_every_invariant(engine, sessions):
-    generate, encode_prompt, encode, decode = engine_io(engine, temperature=1.0)
+    io = engine_io(engine, temperature=1.0)
     eps = [episode("python_tool", sessions, f"{a}*{b}=", str(a * b)) for a in range(11, 19) for b in (23, 57)]
-    run_episodes(eps, generate, encode_prompt, encode, decode, EpisodeLimits(max_turns=3, max_tokens_per_turn=12,
+    run_episodes(eps, io, EpisodeLimits(max_turns=3, max_tokens_per_turn=12,
                                                                              context_tokens=64))
     for ep in eps:
         assert ep.stop_reason is not None
-        assert not check_invariants(ep.prompt_ids, ep.completion_ids, ep.mask, ep.turns, decode)
+        assert not check_invariants(ep.prompt_ids, ep.completion_ids, ep.mask, ep.turns, io.decode)
         assert ep.versions == [0]
         finish(ep)
 

@@ -12,6 +12,7 @@ from django.db import models
 from webapp.common.models import OwnedModel, OwnedQuerySet, TimestampedModel
 from workers.domains.kinds import KINDS
 from workers.domains.prompts import render
+from workers.policy.chat import task_messages
 
 
 class BaseModel(OwnedModel):
@@ -175,10 +176,17 @@ class TaskDomain(OwnedModel):
     def __str__(self) -> str:
         return self.name
 
-    def render_prompt(self, prompt: str, reference: Any, metadata: dict[str, Any] | None = None) -> str:
+    def render_prompt(self, prompt: str, reference: Any, metadata: dict[str, Any] | None = None, *,
+                      with_system: bool = True) -> str:
         """The text the model is given for one of this domain's tasks (``workers.domains.prompts``)."""
-        return render(self.kind, self.prompt_template, self.system_prompt, prompt=prompt, reference=reference,
-                      metadata=metadata)
+        return render(self.kind, self.prompt_template, self.system_prompt if with_system else "", prompt=prompt,
+                      reference=reference, metadata=metadata)
+
+    def render_messages(self, prompt: str, reference: Any, metadata: dict[str, Any] | None = None
+                        ) -> list[dict[str, str]]:
+        """The same as a conversation (``workers.policy.chat``): the system prompt, when there is one, as a
+        message of its own, then the user's turn. A model without a chat template reads it as ``render_prompt``."""
+        return task_messages(self.system_prompt, self.render_prompt(prompt, reference, metadata, with_system=False))
 
 
 class Task(models.Model):

@@ -41,10 +41,12 @@ class EnvTask:
     """The task an episode acts on (what the domain stores)."""
 
     prompt: str
-    """The rendered prompt (the domain's template applied)."""
+    """The rendered prompt (the domain's template applied): the user's first message."""
     reference: Any = None
     metadata: Mapping[str, Any] = field(default_factory=dict)
     kind: str | None = None
+    system: str = ""
+    """The domain's system prompt: a message of its own for a chat model, put before the prompt otherwise."""
 
 
 @dataclass(frozen=True)

@@ -2,11 +2,13 @@
 
 Each round generates the next model turn of every active episode in one batch (``generate`` takes token-id
 contexts), then steps every episode's environment with that turn at once (threads: a step mostly waits on
-its sandbox session, so a slow tool costs the round its slowest call, not the sum of them). What the model sampled is kept exactly
-(its ids and behaviour log-probs, never re-encoded from text); each observation is tokenized once
-(``encode``, no special tokens) and appended. The loss mask is 1 on sampled tokens only, 0 on the prompt
-and on every observation, so the trainer learns from the model's own tokens and nothing else. The turn
-spans tile the completion ids: model spans, then environment spans, with no gap.
+its sandbox session, so a slow tool costs the round its slowest call, not the sum of them). What the model
+sampled is kept exactly (its ids and behaviour log-probs, never re-encoded from text); each observation is
+tokenized once and appended: as it is for a plain model, as one message through the chat template for a
+chat model (``workers.policy.chat``: the template applied to that message alone, never to the history,
+the template's framing of the message counted in its span). The loss mask is 1 on sampled tokens only, 0
+on the prompt and on every observation, so the trainer learns from the model's own tokens and nothing else.
+The turn spans tile the completion ids: model spans, then environment spans, with no gap.
 
 Limits end episodes, never runs: ``max_turns``; ``max_tokens_per_turn``; the model's context budget (a turn
 gets at most what is left; an observation that does not fit ends the episode: ``context``); the episode
@@ -26,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from workers.environments.base import Environment, EnvTask, Observation, StopReason, Transcript, Turn
+from workers.policy.chat import ChatFormat, Prompt, task_messages
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,18 @@ class Generated:
 
 Generate = Callable[[list[list[int]], int, tuple[str, ...]], list[Generated]]
 """(contexts, max new tokens, stop strings) -> one turn per context."""
+
+
+@dataclass(frozen=True)
+class TokenIO:
+    """How the runner speaks to a model in token ids (``engine_io`` makes one from an engine)."""
+
+    generate: Generate
+    prompt_ids: Callable[[Prompt], list[int]]
+    """The task's first messages (system prompt, user turn) as the prompt's ids."""
+    observation_ids: Callable[[str, str, list[int]], list[int]]
+    """(role, text, the ids of the model turn before it) -> the ids appended for one observation."""
+    decode: Callable[[list[int]], str]
 
 
 @dataclass
@@ -96,9 +111,7 @@ class Episode:
                                tool=info.get("tool"), args=info.get("args"), version=version))
 
 
-def run_episodes(episodes: Sequence[Episode], generate: Generate, encode_prompt: Callable[[str], list[int]],
-                 encode: Callable[[str], list[int]], decode: Callable[[list[int]], str],
-                 limits: EpisodeLimits) -> list[Episode]:
+def run_episodes(episodes: Sequence[Episode], io: TokenIO, limits: EpisodeLimits) -> list[Episode]:
     """Run every episode to its end; each environment is closed whatever happens."""
     try:
         for ep in episodes:
@@ -109,7 +122,7 @@ def run_episodes(episodes: Sequence[Episode], generate: Generate, encode_prompt:
                 ep.stop_reason = "env_error"
                 ep.turns.append(Turn("env", f"{type(exc).__name__}: {exc}"[:500], 0, 0, status="env_error"))
                 continue
-            ep.prompt_ids = encode_prompt(first.text)
+            ep.prompt_ids = io.prompt_ids(task_messages(ep.task.system, first.text))
             if first.done:
                 ep.stop_reason = "env_error" if first.status == "env_error" else "done"
             elif len(ep.prompt_ids) >= limits.context_tokens:
@@ -129,8 +142,8 @@ def run_episodes(episodes: Sequence[Episode], generate: Generate, encode_prompt:
                     continue
                 by_budget.setdefault((budget, tuple(ep.env.stop)), []).append(ep)
             for (budget, stop), group in by_budget.items():
-                outs = generate([ep.context for ep in group], budget, stop)
-                texts = [decode(out.ids) for out in outs]
+                outs = io.generate([ep.context for ep in group], budget, stop)
+                texts = [io.decode(out.ids) for out in outs]
                 for ep, out, text in zip(group, outs, texts, strict=True):
                     ep.append("model", out.ids, text, logprobs=out.logprobs, version=out.version)
                     ep.model_turns += 1
@@ -140,7 +153,7 @@ def run_episodes(episodes: Sequence[Episode], generate: Generate, encode_prompt:
                 else:
                     steps = [_step(group[0].env, texts[0])]
                 for ep, out, result in zip(group, outs, steps, strict=True):
-                    _after_step(ep, out, result, budget, encode, limits)
+                    _after_step(ep, out, result, budget, io, limits)
     finally:
         for ep in episodes:
             with contextlib.suppress(Exception):  # closing must not lose the episodes
@@ -166,8 +179,8 @@ def _step(env: Environment, text: str) -> Observation | BaseException:
         return exc
 
 
-def _after_step(ep: Episode, out: Generated, obs: Observation | BaseException, budget: int,
-                encode: Callable[[str], list[int]], limits: EpisodeLimits) -> None:
+def _after_step(ep: Episode, out: Generated, obs: Observation | BaseException, budget: int, io: TokenIO,
+                limits: EpisodeLimits) -> None:
     if isinstance(obs, BaseException):
         ep.turns[-1].status = "env_error"
         ep.stop_reason = "env_error"
@@ -177,9 +190,9 @@ def _after_step(ep: Episode, out: Generated, obs: Observation | BaseException, b
     if obs.done:
         ep.stop_reason = "env_error" if obs.status == "env_error" else "done"
         if obs.text:
-            ep.append("env", encode(obs.text), obs.text, obs=obs)
+            ep.append("env", io.observation_ids(obs.role, obs.text, out.ids), obs.text, obs=obs)
         return
-    obs_ids = encode(obs.text)
+    obs_ids = io.observation_ids(obs.role, obs.text, out.ids)
     if len(ep.context) + len(obs_ids) >= limits.context_tokens:
         ep.stop_reason = "context"  # the observation does not fit: the episode ends before it
         return
@@ -222,27 +235,21 @@ def check_invariants(prompt_ids: list[int], completion_ids: list[int], mask: lis
     return problems
 
 
-def engine_io(engine: Any, temperature: float = 1.0, top_p: float = 1.0
-              ) -> tuple[Generate, Callable[[str], list[int]], Callable[[str], list[int]], Callable[[list[int]], str]]:
-    """An engine (``workers.policy.engines.Engine``) as the runner's callables: generate from token ids,
-    encode the first observation as a prompt (special tokens, the chat template when there is one), encode
-    later observations plainly (no special tokens: appended as they are), decode without special tokens."""
-    from workers.policy.engines import SamplingParams, encode_prompts
+def engine_io(engine: Any, temperature: float = 1.0, top_p: float = 1.0) -> TokenIO:
+    """An engine (``workers.policy.engines.Engine``) as the runner's ``TokenIO``: generate from token ids;
+    the prompt and each observation through the tokenizer's chat template when it has one, as text otherwise
+    (``workers.policy.chat.ChatFormat``); decode without special tokens."""
+    from workers.policy.engines import SamplingParams
 
     tokenizer = engine.tokenizer
+    chat = ChatFormat(tokenizer)
 
     def generate(contexts: list[list[int]], max_tokens: int, stop: tuple[str, ...]) -> list[Generated]:
         samples = engine.generate_ids(contexts, SamplingParams(n=1, temperature=temperature, top_p=top_p,
                                                                max_tokens=max_tokens, stop=stop))
         return [Generated(s.completion_token_ids, s.logprobs, s.finish_reason, s.version) for s in samples]
 
-    def encode_prompt(text: str) -> list[int]:
-        return encode_prompts(tokenizer, [text])[0]
-
-    def encode(text: str) -> list[int]:
-        return list(tokenizer.encode(text, add_special_tokens=False))
-
     def decode(ids: list[int]) -> str:
         return str(tokenizer.decode(ids, skip_special_tokens=True))
 
-    return generate, encode_prompt, encode, decode
+    return TokenIO(generate, chat.prompt_ids, chat.observation_ids, decode)

@@ -17,9 +17,12 @@ from __future__ import annotations
 
 import importlib
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol, runtime_checkable
+
+from workers.policy.chat import ChatFormat, Prompt
 
 FinishReason = Literal["stop", "length"]
 
@@ -52,6 +55,7 @@ class Sample:
     """One completion and the facts the trainer needs about it."""
 
     prompt: str
+    """The prompt's text (a conversation's contents joined: ``chat.prompt_text``)."""
     prompt_token_ids: list[int]
     completion_token_ids: list[int]
     """Includes the end-of-sequence token when generation stopped on it (it is trained on)."""
@@ -73,9 +77,12 @@ class Engine(Protocol):
     """What the rollout worker needs from an engine."""
 
     version: int
+    tokenizer: Any
+    """The base model's Hugging Face tokenizer (its chat template, when it has one, renders prompts)."""
 
-    def generate(self, prompts: list[str], sampling: SamplingParams) -> list[Sample]:
-        """``len(prompts) * sampling.n`` samples, prompt-major."""
+    def generate(self, prompts: Sequence[Prompt], sampling: SamplingParams) -> list[Sample]:
+        """``len(prompts) * sampling.n`` samples, prompt-major. A prompt is a text or a conversation
+        (``workers.policy.chat``); each sample's ``prompt`` is its text."""
         ...
 
     def generate_ids(self, contexts: list[list[int]], sampling: SamplingParams) -> list[Sample]:
@@ -113,22 +120,14 @@ def load_engine(
     return engine
 
 
-def encode_prompts(tokenizer: Any, prompts: list[str]) -> list[list[int]]:
-    """Prompt token ids, through the chat template when the tokenizer has one.
+def encode_prompts(tokenizer: Any, prompts: Sequence[Prompt]) -> list[list[int]]:
+    """Prompt token ids: a conversation through the chat template when the tokenizer has one
+    (``workers.policy.chat``), else its text with the tokenizer's special tokens.
 
     Both engines tokenize here so they condition on identical ids.
     """
-    if getattr(tokenizer, "chat_template", None):
-        out = []
-        for p in prompts:
-            ids = tokenizer.apply_chat_template(
-                [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True
-            )
-            if isinstance(ids, dict) or hasattr(ids, "keys"):
-                ids = ids["input_ids"]
-            out.append(list(ids))
-        return out
-    return [tokenizer.encode(p, add_special_tokens=True) for p in prompts]
+    chat = ChatFormat(tokenizer)
+    return [chat.prompt_ids(p) for p in prompts]
 
 
 def read_version_number(version_dir: str | Path | None) -> int:

@@ -45,7 +45,7 @@ class _Resident:
     used: float = 0.0
 
 
-_ENGINES: OrderedDict[tuple[str, str], _Resident] = OrderedDict()
+_ENGINES: OrderedDict[tuple[str, str, str], _Resident] = OrderedDict()
 _TRAINERS: OrderedDict[int, _Resident] = OrderedDict()
 _PLACEMENT: Any = None
 
@@ -137,19 +137,22 @@ def _free_device_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def engine_for(name: str, base_model_dir: Path, seed: int = 0) -> Any:
-    """The resident engine of a base model (loaded on first use, on this worker's device)."""
+def engine_for(name: str, base_model_dir: Path, seed: int = 0, chat_template: str = "") -> Any:
+    """The resident engine of a base model (loaded on first use, on this worker's device); a registered
+    ``chat_template`` replaces its tokenizer's own (one resident engine per template)."""
+    from workers.policy.chat import apply_override
     from workers.policy.device import torch_dtype
     from workers.policy.engines import load_engine
 
     _cpu_threads()
-    key = (name, str(base_model_dir))
+    key = (name, str(base_model_dir), chat_template)
     found = _ENGINES.get(key)
     if found is None:
         where = placement()
         options: dict[str, Any] = {"dtype": torch_dtype(where)} if name == "torch" else {
             "dtype": where.dtype}
         engine = load_engine(name, base_model_dir, device=where.device, seed=seed, **options)
+        apply_override(engine.tokenizer, chat_template)
         model = getattr(engine, "model", None)
         size = _param_bytes(model) if model is not None else 0
         _make_room(size, None)

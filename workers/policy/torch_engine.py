@@ -16,12 +16,14 @@ multiple GPUs. Use the vllm engine for throughput.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from workers.policy import versions
+from workers.policy.chat import Prompt, prompt_text
 from workers.policy.engines import FinishReason, Sample, SamplingParams, encode_prompts
 
 
@@ -69,8 +71,9 @@ class TorchEngine:
         self.policy.apply(version_dir)
         self.version = versions.read_version_number(version_dir)
 
-    def generate(self, prompts: list[str], sampling: SamplingParams) -> list[Sample]:
-        return self._generate_rows(list(zip(prompts, encode_prompts(self.tokenizer, prompts), strict=True)), sampling)
+    def generate(self, prompts: Sequence[Prompt], sampling: SamplingParams) -> list[Sample]:
+        return self._generate_rows([(prompt_text(p), ids) for p, ids in
+                                    zip(prompts, encode_prompts(self.tokenizer, prompts), strict=True)], sampling)
 
     def generate_ids(self, contexts: list[list[int]], sampling: SamplingParams) -> list[Sample]:
         """Token-in, token-out: continue each context exactly as given (a multi-turn episode's history)."""

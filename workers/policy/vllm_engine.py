@@ -23,10 +23,12 @@ parallelism settings beyond what ``**llm_options`` passes through, async/streami
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from workers.policy import versions
+from workers.policy.chat import Prompt, prompt_text
 from workers.policy.engines import FinishReason, Sample, SamplingParams, encode_prompts
 
 
@@ -99,8 +101,8 @@ class VLLMEngine:
         )
         self.version = meta.version
 
-    def generate(self, prompts: list[str], sampling: SamplingParams) -> list[Sample]:
-        return self._generate(prompts, encode_prompts(self.tokenizer, prompts), sampling)
+    def generate(self, prompts: Sequence[Prompt], sampling: SamplingParams) -> list[Sample]:
+        return self._generate([prompt_text(p) for p in prompts], encode_prompts(self.tokenizer, prompts), sampling)
 
     def generate_ids(self, contexts: list[list[int]], sampling: SamplingParams) -> list[Sample]:
         """Token-in, token-out: continue each context exactly as given (a multi-turn episode's history)."""

@@ -10,7 +10,7 @@ sample count, so a redelivered task writes nothing twice.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from django.db import transaction
@@ -21,6 +21,7 @@ from webapp.runs.loop.tick import wake_deferred
 from webapp.runs.models import TERMINAL_STATUSES, PromptGroup, Run, Trajectory
 from workers import messages
 from workers.pipeline.spec import RunSpec
+from workers.policy.chat import prompt_text, task_messages
 
 G = PromptGroup.Status
 ENDED = TERMINAL_STATUSES
@@ -105,7 +106,8 @@ def load_engine(run: Run, spec: RunSpec) -> Any:
     from workers.policy import resident
 
     with resident.DEVICE:
-        return resident.engine_for(run.engine, paths.resolve_model_path(run.base_model), seed=spec.seed)
+        return resident.engine_for(run.engine, paths.resolve_model_path(run.base_model), seed=spec.seed,
+                                   chat_template=run.base_model.chat_template)
 
 
 def generate(run_id: int, group_ids: list[int], holder: str) -> int:
@@ -132,7 +134,7 @@ def generate(run_id: int, group_ids: list[int], holder: str) -> int:
     rows: list[SampleRow] = []
     device_s = 0.0
     if single:
-        prompts = [g.domain.render_prompt(g.task.prompt, g.task.reference, g.task.metadata) if g.task and g.domain
+        prompts = [g.domain.render_messages(g.task.prompt, g.task.reference, g.task.metadata) if g.task and g.domain
                    else "" for g in single]
         with live.on_device(run_id) as timer:  # switching to the newest version is device work too
             serve_newest(engine, run)
@@ -185,7 +187,8 @@ def run_group_episodes(run: Run, spec: RunSpec, engine: Any, groups: list[Prompt
 
 def episode_record(ep: Any) -> dict[str, Any]:
     """What a trajectory stores of a played episode (training and evaluation alike)."""
-    return {"prompt": ep.task.prompt, "completion": ep.transcript.final_text, "prompt_token_ids": ep.prompt_ids,
+    return {"prompt": prompt_text(task_messages(ep.task.system, ep.task.prompt)),
+            "completion": ep.transcript.final_text, "prompt_token_ids": ep.prompt_ids,
             "completion_token_ids": ep.completion_ids,
             "finish_reason": "length" if ep.stop_reason in ("max_turns", "context") else "stop",
             "turns": [t.to_dict() for t in ep.turns], "stop_reason": ep.stop_reason or "done"}
@@ -228,7 +231,7 @@ def play_episodes(run: Run, spec: RunSpec, engine: Any, items: list[tuple[Any, A
     from workers.verifiers.base import invalid
 
     e = spec.episode
-    generate_ids, encode_prompt, encode, decode = engine_io(engine, temperature, top_p)
+    io = engine_io(engine, temperature, top_p)
     device_s = [0.0]
 
     def generate(contexts: list[list[int]], max_tokens: int, stop: tuple[str, ...]) -> Any:
@@ -237,7 +240,7 @@ def play_episodes(run: Run, spec: RunSpec, engine: Any, items: list[tuple[Any, A
                 serve_newest(engine, run)
             else:
                 resident.serve(engine, run.pk, version, paths.version_dir(run.pk, version))
-            out = generate_ids(contexts, max_tokens, (*stop, *spec.sampling.stop))
+            out = io.generate(contexts, max_tokens, (*stop, *spec.sampling.stop))
         device_s[0] += timer.seconds
         return out
 
@@ -249,8 +252,10 @@ def play_episodes(run: Run, spec: RunSpec, engine: Any, items: list[tuple[Any, A
     pool = None
     try:
         for domain, task_row, seed in items:
-            task = EnvTask(prompt=domain.render_prompt(task_row.prompt, task_row.reference, task_row.metadata),
-                           reference=task_row.reference, metadata=task_row.metadata, kind=domain.kind)
+            task = EnvTask(prompt=domain.render_prompt(task_row.prompt, task_row.reference, task_row.metadata,
+                                                      with_system=False),
+                           reference=task_row.reference, metadata=task_row.metadata, kind=domain.kind,
+                           system=domain.system_prompt)
             env = make_environment(domain.environment, domain.environment_params,
                                    judge=lambda task, text: invalid("scored on the verify queue"))
             session = None
@@ -262,7 +267,7 @@ def play_episodes(run: Run, spec: RunSpec, engine: Any, items: list[tuple[Any, A
         for start in range(0, len(episodes), MAX_LIVE_EPISODES):
             chunk = episodes[start:start + MAX_LIVE_EPISODES]
             try:
-                run_episodes(chunk, generate, encode_prompt, encode, decode, limits)
+                run_episodes(chunk, replace(io, generate=generate), limits)
             finally:
                 close_sessions(chunk)
     finally:

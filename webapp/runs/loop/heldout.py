@@ -51,7 +51,7 @@ def sample(run_id: int, version: int) -> int:
     single = [(rd, ts) for rd, ts in per_domain if rd.domain.environment == "single_turn"]
     episodic = [(rd, ts) for rd, ts in per_domain if rd.domain.environment != "single_turn"]
     tasks = [t for _, domain_tasks in single for t in domain_tasks]
-    prompts = [rd.domain.render_prompt(t.prompt, t.reference, t.metadata) for rd, domain_tasks in single
+    prompts = [rd.domain.render_messages(t.prompt, t.reference, t.metadata) for rd, domain_tasks in single
                for t in domain_tasks]
     engine = load_engine(run, spec)
     with live.on_device(run_id):  # every single-turn domain's prompts in one batch
