@@ -7,17 +7,22 @@ call whose closing tag never came (the turn hit its token limit) is a ``parse_er
 that runs past its time limit is a ``timeout`` observation and the episode goes on.
 
 The reward is the verifier's verdict on the final answer: nothing the code does in the session (a file
-named ``reward``, a printed "correct") reaches it.
+named ``reward``, a printed "correct") reaches it. Files the domain names in ``artifacts`` are kept with the
+episode when its session closes (name, size, digest, a text preview), for people to read; scoring never
+sees them.
+
+A call's latency is the cell's wall time in the session; opening the session (on the episode's first call,
+when the loop opens sessions lazily) is the session's start latency, recorded apart.
 """
 
 from __future__ import annotations
 
 import re
-import time
 from typing import Any, ClassVar
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
+from sandboxes.api import check_relative_path
 from workers.environments.base import (
     EnvParams,
     EnvTask,
@@ -30,6 +35,7 @@ from workers.environments.base import (
 from workers.verifiers.base import Verdict
 
 _CALL = re.compile(r"<py>(.*?)</py>", re.DOTALL)
+MAX_ARTIFACT_PATTERNS = 8
 
 
 class PythonTool:
@@ -40,6 +46,20 @@ class PythonTool:
     class Params(EnvParams):
         max_output_chars: int = Field(200, ge=16, le=100_000, description="Tool output shown to the model")
         setup: str = Field("", description="Python run in the session before the first turn (helpers, data)")
+        artifacts: tuple[str, ...] = Field(
+            (), max_length=MAX_ARTIFACT_PATTERNS,
+            description="Files of the session to keep with the episode when it ends (paths or glob patterns "
+                        "relative to its work directory, e.g. out.txt or *.csv); shown on the episode's page, "
+                        "never scored")
+
+        @field_validator("artifacts")
+        @classmethod
+        def _relative_paths(cls, patterns: tuple[str, ...]) -> tuple[str, ...]:
+            for pattern in patterns:
+                if len(pattern) > 200:
+                    raise ValueError(f"{pattern[:40]!r}…: at most 200 characters")
+                check_relative_path(pattern, "artifacts")
+            return patterns
 
     def __init__(self, params: EnvParams, judge: Judge) -> None:
         assert isinstance(params, PythonTool.Params)
@@ -66,9 +86,8 @@ class PythonTool:
             return Observation("<out>error: the tool call was not closed; write <py>code</py></out>\n",
                                status="parse_error", info={"tool": "python", "args": action[-200:]})
         code = match.group(1).strip()
-        started = time.monotonic()
         result = self.session.run(code)
-        latency = time.monotonic() - started
+        latency = result.wall_seconds  # the cell's own time: not the session's start, when this call opened it
         limit = self.params.max_output_chars
         if result.status == "session_error":
             return Observation("", done=True, status="env_error",

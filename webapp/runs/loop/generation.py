@@ -10,7 +10,8 @@ sample count, so a redelivered task writes nothing twice.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, replace
+import time
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from django.db import transaction
@@ -57,6 +58,8 @@ class SampleRow:
     turns: tuple[dict[str, Any], ...] = ()
     """A multi-turn episode's turns (tiling completion_token_ids); empty for a single turn."""
     stop_reason: str = ""
+    sandbox: dict[str, Any] = field(default_factory=dict)
+    """An episode's session: its start latency and kept artifacts (``session_record``)."""
 
 
 def write_samples(run_id: int, groups: dict[int, PromptGroup], rows: list[SampleRow], *,
@@ -73,6 +76,7 @@ def write_samples(run_id: int, groups: dict[int, PromptGroup], rows: list[Sample
                        completion=r.completion, prompt_token_ids=r.prompt_token_ids,
                        completion_token_ids=r.completion_token_ids, behaviour_logprobs=r.logprobs,
                        finish_reason=r.finish_reason, turns=list(r.turns), stop_reason=r.stop_reason,
+                       sandbox=r.sandbox,
                        **counts(r.turns))
             for r in rows
         ], ignore_conflicts=True)
@@ -191,7 +195,8 @@ def episode_record(ep: Any) -> dict[str, Any]:
             "completion": ep.transcript.final_text, "prompt_token_ids": ep.prompt_ids,
             "completion_token_ids": ep.completion_ids,
             "finish_reason": "length" if ep.stop_reason in ("max_turns", "context") else "stop",
-            "turns": [t.to_dict() for t in ep.turns], "stop_reason": ep.stop_reason or "done"}
+            "turns": [t.to_dict() for t in ep.turns], "stop_reason": ep.stop_reason or "done",
+            "sandbox": session_record(ep.session)}
 
 
 MAX_LIVE_EPISODES = 128
@@ -200,19 +205,60 @@ MAX_LIVE_EPISODES = 128
 
 class LazySession:
     """A sandbox session opened on the episode's first call: an episode that answers without a tool costs
-    no process. Its deadline runs from that call; the episode's own deadline still bounds the whole."""
+    no process. Its deadline runs from that call; the episode's own deadline still bounds the whole.
+    ``start_s`` is how long opening it took (None while unopened); ``artifacts`` what closing it collected."""
 
     def __init__(self, pool: Any, spec: Any) -> None:
         self.pool, self.spec = pool, spec
         self.session: Any = None
+        self.start_s: float | None = None
+        self.artifacts: list[Any] = []
 
     def run(self, code: str, wall_seconds: float | None = None) -> Any:
         if self.session is None:
+            started = time.monotonic()
             self.session = self.pool.open(self.spec)
+            self.start_s = time.monotonic() - started
         return self.session.run(code, wall_seconds)
 
     def close(self) -> list[Any]:
-        return self.session.close() if self.session is not None else []
+        if self.session is not None:
+            self.artifacts = self.session.close()
+        return self.artifacts
+
+
+def session_spec(env: Any, limits: Any) -> Any:
+    """The sandbox session of one episode: the run's tool time and deadline, and the files the environment
+    keeps (``artifacts`` among its parameters, as ``python_tool`` has)."""
+    from sandboxes.session import SessionLimits, SessionSpec
+
+    return SessionSpec(artifacts=tuple(getattr(getattr(env, "params", None), "artifacts", ()) or ()),
+                       limits=SessionLimits(cell_wall_seconds=limits.tool_seconds,
+                                            deadline_seconds=limits.deadline_seconds + 5.0))
+
+
+PREVIEW_BYTES = 4096
+"""Of each kept artifact, the episode stores at most this much text (people read it; nothing scores it)."""
+MAX_KEPT_ARTIFACTS = 16
+
+
+def session_record(session: Any) -> dict[str, Any]:
+    """What a trajectory keeps of an episode's session (``Trajectory.sandbox``): how long it took to open and
+    its artifacts — path, size, sha256 and the start of the text (none for a binary file or one the sandbox
+    did not read back, being over its size cap). Bounded: 16 artifacts of 4 KB of preview at most."""
+    if not isinstance(session, LazySession) or session.start_s is None:
+        return {}
+    artifacts = []
+    for a in session.artifacts[:MAX_KEPT_ARTIFACTS]:
+        data = a.data[:PREVIEW_BYTES] if a.data is not None else None
+        binary = data is not None and b"\0" in data
+        artifacts.append({"path": a.path, "size": a.size, "sha256": a.sha256,
+                          "preview": None if data is None or binary else data.decode("utf-8", "replace"),
+                          "truncated": a.data is None or len(a.data) > PREVIEW_BYTES, "binary": binary})
+    record: dict[str, Any] = {"session_start_s": round(session.start_s, 6)}
+    if artifacts:
+        record["artifacts"] = artifacts
+    return record
 
 
 def play_episodes(run: Run, spec: RunSpec, engine: Any, items: list[tuple[Any, Any, int]], temperature: float,
@@ -223,7 +269,6 @@ def play_episodes(run: Run, spec: RunSpec, engine: Any, items: list[tuple[Any, A
     worker's other task thread uses it), and each turn is sampled under the newest version (an episode may
     span versions), or under ``version`` when one is given (held-out evaluation). Every session is closed,
     whatever happens."""
-    from sandboxes.session import SessionLimits, SessionSpec
     from sandboxes.session import default_pool as session_pool
     from workers.environments.base import EnvTask, make_environment
     from workers.environments.episodes import Episode, EpisodeLimits, engine_io, run_episodes
@@ -261,8 +306,7 @@ def play_episodes(run: Run, spec: RunSpec, engine: Any, items: list[tuple[Any, A
             session = None
             if env.needs_session:
                 pool = pool or session_pool()
-                session = LazySession(pool, SessionSpec(limits=SessionLimits(
-                    cell_wall_seconds=e.tool_seconds, deadline_seconds=e.deadline_seconds + 5.0)))
+                session = LazySession(pool, session_spec(env, e))
             episodes.append(Episode(env=env, task=task, seed=seed, session=session))
         for start in range(0, len(episodes), MAX_LIVE_EPISODES):
             chunk = episodes[start:start + MAX_LIVE_EPISODES]
