@@ -20,8 +20,10 @@ def verifier(owner: Any, name: str = "exact", calibrated: bool = True) -> Verifi
     )
 
 
-def domain(owner: Any, name: str = "addition", kind: str = "answer", verifier_row: Verifier | None = None) -> TaskDomain:
-    return TaskDomain.objects.create(owner=owner, name=name, kind=kind, verifier=verifier_row)
+def domain(owner: Any, name: str = "addition", kind: str = "answer", verifier_row: Verifier | None = None,
+           environment: str = "single_turn", environment_params: dict[str, Any] | None = None) -> TaskDomain:
+    return TaskDomain.objects.create(owner=owner, name=name, kind=kind, verifier=verifier_row,
+                                     environment=environment, environment_params=environment_params or {})
 
 
 def run(owner: Any, calibrated: bool = True, name: str = "r1") -> Run:

@@ -2,7 +2,8 @@
 
 The definitions travel to the browser as JSON; ``static/temper/charts.js`` fetches each chart's series
 from ``/api/v1/metrics/`` (downsampled to ~1,000 points, min and max per bucket) and extends them live.
-A metric the definitions do not name still appears, in the "Other metrics" chart.
+A metric the definitions do not name still appears, in the "Other metrics" chart. A chart marked
+``episodes`` draws the episodes of multi-turn domains; the run page leaves it out of a single-turn run.
 """
 
 from __future__ import annotations
@@ -34,10 +35,19 @@ CHARTS: list[dict[str, Any]] = [
     {"id": "quality", "title": "Invalid, zero-variance and truncated shares",
      "names": ["invalid_rate", "zero_variance_share", "truncation_rate", "nonfinite"], "y": "share",
      "range": [0, 1.05]},
-    {"id": "episodes", "title": "Episodes per domain: turns, tool calls, tool and parse errors, environment tokens, "
-                                "stop reasons",
-     "names": ["turns_mean", "tool_call_rate", "tool_error_rate", "parse_error_rate", "env_token_share"],
-     "prefixes": ["stop_", "tool_latency_s_"], "y": "value"},
+    # Episodes of multi-turn domains, per domain, one unit per chart; ``episodes`` charts stay hidden on a run
+    # without an environment domain (they would only ever be empty boxes there). Solve rate: "Pass rate".
+    {"id": "ep_tools", "title": "Episodes: tool-call rate, tool and parse errors, environment share of tokens",
+     "names": ["tool_call_rate", "tool_error_rate", "parse_error_rate", "env_token_share"], "y": "share",
+     "range": [0, 1.05], "episodes": True},
+    {"id": "ep_turns", "title": "Episode length: model turns per episode", "names": ["turns_mean"], "y": "turns",
+     "episodes": True},
+    {"id": "ep_tokens", "title": "Episode tokens: the model's and the environment's, per episode",
+     "names": ["model_tokens_mean", "env_tokens_mean"], "y": "tokens", "episodes": True},
+    {"id": "ep_stops", "title": "Episode stop reasons (share of episodes)", "names": [], "prefixes": ["stop_"],
+     "y": "share", "range": [0, 1.05], "episodes": True},
+    {"id": "ep_latency", "title": "Tool step and session start latency (p50/p95)", "names": [],
+     "prefixes": ["tool_latency_s_", "session_start_s_"], "y": "seconds", "episodes": True},
     {"id": "other", "title": "Other metrics", "names": [], "other": True, "y": "value"},
 ]
 

@@ -167,11 +167,13 @@ def run_detail(request: HttpRequest, run_id: int) -> HttpResponse:
     gpu_workers = [(w.name, w.device) for w in WorkerHeartbeat.objects.filter(
         stopped_at__isnull=True, queues__contains="rollout").exclude(device="").only("name", "device")[:8]]
     groups = _group_counts(run)
+    # a run without an environment domain has no episodes: their charts would only be empty boxes
+    episodic = any(rd.domain.environment != "single_turn" for rd in run_domains)
     page_config = {
         "run": run.pk,
         "status": run.status,
         "allowed": {action: sorted(services.TRANSITIONS[action][0]) for action, _ in CONTROLS},
-        "charts": CHARTS,
+        "charts": CHARTS if episodic else [c for c in CHARTS if not c.get("episodes")],
         "domains": {str(rd.domain_id): rd.domain.name for rd in run_domains},
         "names": metric_store.series_names(run.pk) if run.metric_seq else [],
         "apiRun": f"/api/v1/runs/{run.pk}/",
@@ -182,6 +184,7 @@ def run_detail(request: HttpRequest, run_id: int) -> HttpResponse:
         "controls": [(action, label, run.status in services.TRANSITIONS[action][0]) for action, label in CONTROLS],
         "events": list(run.events.order_by("-id")[:200])[::-1], "groups": groups,
         "spec_json": json.dumps(run.spec, indent=2, sort_keys=True), "page_config": page_config,
+        "episodic": episodic,
     })
 
 

@@ -87,12 +87,15 @@ def step_points(run: Run, version: PolicyVersion) -> list[Point]:
             points.append(Point(f"{name}_p50", step, quantile(values, 0.5), domain_id=domain_id))
             points.append(Point(f"{name}_p95", step, quantile(values, 0.95), domain_id=domain_id))
     # episodes of multi-turn domains: turns, tool calls and their errors, how much of the text the
-    # environment wrote, and why they stopped (per domain)
+    # environment wrote, why they stopped, and how long their sessions took to open (per domain)
     episodes: defaultdict[int | None, list[tuple[list[dict[str, Any]], str, int]]] = defaultdict(list)
-    for domain_id, turns, stop_reason, ids in (Trajectory.objects.filter(run=run, trained_step=step)
-                                               .exclude(stop_reason="")
-                                               .values_list("domain_id", "turns", "stop_reason", "completion_token_ids")):
+    session_starts: defaultdict[int | None, list[float]] = defaultdict(list)
+    for domain_id, turns, stop_reason, ids, start_s in (
+            Trajectory.objects.filter(run=run, trained_step=step).exclude(stop_reason="")
+            .values_list("domain_id", "turns", "stop_reason", "completion_token_ids", "sandbox__session_start_s")):
         episodes[domain_id].append((turns or [], stop_reason, len(ids or [])))
+        if isinstance(start_s, (int, float)):  # None: the episode never opened its session
+            session_starts[domain_id].append(float(start_s))
     # an episode may span versions: its staleness per sampled token, by the version that sampled each turn
     lagged = [(version.number - 1 - int(t["version"]), int(t["end"]) - int(t["start"]))
               for rows in episodes.values() for turns, _, _ in rows for t in turns
@@ -106,8 +109,11 @@ def step_points(run: Run, version: PolicyVersion) -> list[Point]:
         calls = [t for t in env_turns if t.get("tool")]
         tokens = sum(n for _, _, n in rows)
         env_tokens = sum(int(t["end"]) - int(t["start"]) for t in env_turns)
+        model_tokens = sum(int(t["end"]) - int(t["start"]) for t in model_turns)
         points += [
             Point("turns_mean", step, len(model_turns) / len(rows), domain_id=domain_id),
+            Point("model_tokens_mean", step, model_tokens / len(rows), domain_id=domain_id),
+            Point("env_tokens_mean", step, env_tokens / len(rows), domain_id=domain_id),
             Point("tool_call_rate", step, sum(any(t.get("tool") for t in turns) for turns, _, _ in rows) / len(rows),
                   domain_id=domain_id),
             Point("tool_error_rate", step, sum(t.get("status") in ("tool_error", "timeout") for t in calls)
@@ -122,6 +128,9 @@ def step_points(run: Run, version: PolicyVersion) -> list[Point]:
         if latencies:
             points.append(Point("tool_latency_s_p50", step, quantile(latencies, 0.5), domain_id=domain_id))
             points.append(Point("tool_latency_s_p95", step, quantile(latencies, 0.95), domain_id=domain_id))
+        if starts := session_starts.get(domain_id):
+            points.append(Point("session_start_s_p50", step, quantile(starts, 0.5), domain_id=domain_id))
+            points.append(Point("session_start_s_p95", step, quantile(starts, 0.95), domain_id=domain_id))
     generated = sum(g.generate_s for g in groups if g.generate_s is not None)
     if generated > 0:
         tokens = sum(len(s[6] or []) for s in samples)
