@@ -335,3 +335,73 @@ def test_the_run_page_pages_its_versions_and_shows_the_device(client_in: Client,
     assert "trained on cpu float32" in page and "gpu@box: cuda:0 (H200) bfloat16" in page
     last = client_in.get(reverse("run", args=[run.pk]) + "?versions_page=20").content.decode()
     assert re.findall(r">v(\d+)</a></td>", last) == [str(n) for n in range(20, 0, -1)]
+
+
+def test_the_compare_view_shows_both_evaluation_layers_per_run(client_in: Client, user: Any) -> None:
+    """Each chosen run's newest evaluated version against its base model, capability items and end-to-end
+    episodes apart, with each layer's average: one layer's gain does not hide the other's loss."""
+    from webapp.runs.services import DomainWeight, do_create_run
+
+    v = factories.verifier(user)
+    items = factories.domain(user, "sums", verifier_row=v)
+    tool = factories.domain(user, "sums-with-tool", verifier_row=v, environment="python_tool")
+    run = do_create_run(user, name="layered", base_model=factories.base_model(user),
+                        domains=[DomainWeight(items), DomainWeight(tool)])
+    v0 = PolicyVersion.objects.create(run=run, number=0)
+    v1 = PolicyVersion.objects.create(run=run, number=1, parent=v0)
+    PolicyVersion.objects.create(run=run, number=2, parent=v1)  # not evaluated: v1 is the newest evaluated
+    for version, a, e in ((v0, 30, 10), (v1, 18, 40)):  # v1 got better end to end and worse on the items
+        factories.evaluation(version, items, [1.0] * a + [0.0] * (50 - a))
+        factories.evaluation(version, tool, [1.0] * e + [0.0] * (50 - e))
+    fresh = factories.run(user, name="fresh")
+    html = client_in.get(reverse("compare") + f"?run={run.pk}&run={fresh.pk}").content.decode()
+    rows = re.findall(r'<tr class="layer-row ([^"]*)" data-run="(\d+)" data-layer="(\w+)">\s*<td>(.*?)</td>\s*'
+                      r'<td class="layer">([^<]+)</td><td>([^<]+)</td>', html)
+    assert [(r[1], r[2], r[4], r[5]) for r in rows] == [
+        (str(run.pk), "capability", "capability", "sums"), (str(run.pk), "end_to_end", "end-to-end", "sums-with-tool")]
+    assert "row-regression" in rows[0][0] and "row-improvement" in rows[1][0]
+    assert f"v{v1.number}" in rows[0][3] and reverse("version", args=[v1.pk]) in rows[0][3]
+    totals = re.findall(r'<tr class="total layer-total" data-run="(\d+)" data-layer="(\w+)">.*?<td>layer average</td>'
+                        r'<td>([^<]*)</td><td>([^<]*)</td><td>([^<]*)</td>', html)
+    assert totals == [(str(run.pk), "capability", "0.360", "0.600", "-0.240"),
+                      (str(run.pk), "end_to_end", "0.800", "0.200", "0.600")]
+    assert "regression: sums" in html
+    assert re.search(rf'data-run="{fresh.pk}">.*?no version of this run has a finished held-out evaluation', html)
+
+
+def test_a_single_turn_run_page_leaves_the_episode_charts_out(client_in: Client, user: Any) -> None:
+    single = factories.run(user, name="plain")
+    page = client_in.get(reverse("run", args=[single.pk]))
+    ids = {c["id"] for c in page.context["page_config"]["charts"]}
+    assert "reward" in ids and not ids & {"ep_tools", "ep_turns", "ep_tokens", "ep_stops", "ep_latency"}
+    assert 'id="no-episodes"' in page.content.decode() and 'id="card-ep_turns"' not in page.content.decode()
+    from webapp.runs.services import DomainWeight, do_create_run
+
+    tool = factories.domain(user, "tool", verifier_row=factories.verifier(user, "v2"), environment="python_tool")
+    episodic = do_create_run(user, name="tools", base_model=factories.base_model(user, "bm2"),
+                             domains=[DomainWeight(tool)])
+    html = client_in.get(reverse("run", args=[episodic.pk])).content.decode()
+    assert all(f'id="card-{c}"' in html for c in ("ep_tools", "ep_turns", "ep_tokens", "ep_stops", "ep_latency"))
+    assert 'id="no-episodes"' not in html
+
+
+def test_the_group_page_shows_each_episode_of_a_group_turn_by_turn(client_in: Client, user: Any) -> None:
+    run = factories.run(user, name="eps")
+    domain = run.run_domains.get().domain
+    for i, stop in enumerate(("done", "max_turns")):
+        turns = [{"role": "model", "text": "<py>print(6*7)</py>", "start": 0, "end": 5, "status": "ok", "latency_s": 0},
+                 {"role": "env", "text": "<out>42</out>\n", "start": 5, "end": 8, "status": "tool_error" if i else "ok",
+                  "latency_s": 0.002, "tool": "python", "args": "print(6*7)"},
+                 {"role": "model", "text": "Answer: 42\n" * (30 if i else 1), "start": 8, "end": 11, "status": "ok",
+                  "latency_s": 0}]
+        Trajectory.objects.create(run=run, domain=domain, group_key="ep", sample_index=i, prompt="6*7=",
+                                  completion=turns[-1]["text"], turns=turns, stop_reason=stop, turn_count=2,
+                                  tool_errors=i, verdict="pass" if i == 0 else "fail", reward=1.0 - i)
+    html = client_in.get(reverse("group", args=[run.pk, "ep"])).content.decode()
+    samples = html.split('<article class="sample')[1:]
+    assert len(samples) == 2
+    for i, sample in enumerate(samples):
+        assert sample.count('class="turn turn-model"') == 2 and sample.count('class="turn turn-env"') == 1
+        assert f"stopped: {('done', 'max_turns')[i]}" in sample and f"reward {1.0 - i}" in sample
+        assert '<span class="tag tool-tag">python</span>' in sample
+    assert 'data-status="tool_error"' in samples[1] and "1 tool error" in samples[1]

@@ -22,12 +22,13 @@ from django.views.decorators.http import require_POST
 
 from webapp.catalog.models import BaseModel, TaskDomain
 from webapp.common.errors import TemperError, ValidationFailed
+from webapp.runs import evaluation, services
 from webapp.runs import metrics as metric_store
-from webapp.runs import services
 from webapp.runs.loop.training import loss_mask
 from webapp.runs.models import (
     Alias,
     AliasEvent,
+    Evaluation,
     MetricPoint,
     PolicyVersion,
     PromptGroup,
@@ -231,7 +232,23 @@ def compare(request: HttpRequest) -> HttpResponse:
     return render(request, "ui/compare.html", {
         "selected": selected, "candidates": candidates, "metrics": metrics, "all_metrics": COMPARE_METRICS,
         "page_config": {"runs": [{"id": r.pk, "name": r.name} for r in selected], "metrics": metrics},
+        "evaluations": [_run_evaluation(r) for r in selected],
     })
+
+
+def _run_evaluation(run: Run) -> dict[str, Any]:
+    """A run's newest evaluated version against its base model (v0), per domain and per layer (capability
+    items, end-to-end episodes), as the version page shows it; the suite is the gate's."""
+    suite = evaluation.gate_config(run.base_model.promotion_gate).suite
+    version = (PolicyVersion.objects.filter(run=run, evaluations__suite=suite,
+                                            evaluations__status=Evaluation.Status.DONE)
+               .order_by("-number").first())
+    if version is None:
+        return {"run": run, "version": None, "baseline": None, "comparison": None, "layers": {}}
+    baseline = evaluation.base_version(version) if version.number > 0 else None
+    comparison = evaluation.compare(version, baseline, suite)
+    return {"run": run, "version": version, "baseline": baseline, "comparison": comparison,
+            "layers": comparison.layers()}
 
 
 # --- trajectories -----------------------------------------------------------------------------
@@ -280,14 +297,17 @@ def trajectories(request: HttpRequest, run_id: int) -> HttpResponse:
 
 
 def group_detail(request: HttpRequest, run_id: int, key: str) -> HttpResponse:
-    """A prompt's group side by side: every sample, its verdict, reward and advantage."""
+    """A prompt's group side by side: every sample, its verdict, reward and advantage; for an episode, its turns
+    (the model's and the environment's told apart) and why it stopped."""
     run = _run_or_404(request, run_id)
-    samples = list(Trajectory.objects.filter(run=run, group_key=key).order_by("sample_index"))
+    samples = list(Trajectory.objects.filter(run=run, group_key=key).defer(
+        "prompt_token_ids", "completion_token_ids", "behaviour_logprobs").order_by("sample_index"))
     if not samples:
         raise Http404("no such group")
     group = PromptGroup.objects.filter(run=run, key=key).first()
     return render(request, "ui/group.html", {"run": run, "samples": samples, "group": group, "key": key,
-                                             "prompt": samples[0].prompt})
+                                             "prompt": samples[0].prompt,
+                                             "episodic": any(t.turns for t in samples)})
 
 
 def trajectory_detail(request: HttpRequest, trajectory_id: int) -> HttpResponse:
