@@ -146,6 +146,24 @@ def good_base(info: dict[str, float]) -> bool:
     return info["greedy"] <= 0.1 and 0.05 <= info["tool_rate"] <= 0.4 and info["forced"] >= 0.9
 
 
+def train_without_the_tool(model: Any, tokenizer: Any, steps: int = 40, batch_size: int = 32, lr: float = 1e-4,
+                           seed: int = 0) -> dict[str, float]:
+    """A planted end-to-end regression (``tests/test_tool_demo.py``): supervised steps on products answered
+    directly, the right answer and no tool call. A model of this size cannot compute a product in its head,
+    so a policy that had learnt the tool unlearns it and its episodes fail; nothing else is trained on.
+    Returns the greedy tool-call rate and accuracy on held-out products afterwards."""
+    rng = random.Random(seed)
+    rows = _split_pool("product", "train")
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
+    model.train()
+    for _ in range(steps):
+        ids, mask = _encode(tokenizer, [direct_answer(p, a) for p, a in rng.sample(rows, batch_size)])
+        masked_lm_step(model, opt, ids, mask)
+    after = episode_accuracy(model, tokenizer, demo_tasks("product", 200, seed=seed, split="heldout"), sample=False)
+    model.eval()
+    return {"tool_rate": after["tool_rate"], "accuracy": after["accuracy"]}
+
+
 def build_tool_demo_model(
     out_dir: str | Path,
     seed: int = 0,

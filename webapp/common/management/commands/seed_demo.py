@@ -32,7 +32,9 @@ TOOL_RUN_SPEC: dict[str, Any] = {
     # a call and its answer: <py>print(37*48)</py> (21 tokens), then 1776 and end-of-text
     "episode": {"max_turns": 3, "max_tokens_per_turn": 24, "tool_seconds": 2.0, "deadline_seconds": 60.0},
     "max_steps": 400,
-    "target_reward": 0.9,
+    # the weighted held-out average: products (weight 1) reach ~0.99 while the sums answered in the model's
+    # head (weight 0.25) stay near their base ~0.12-0.2, so 0.75 means products are solved with the tool
+    "target_reward": 0.75,
     "eval_every": 10,
     "eval_tasks": 200,
     "seed": 0,
@@ -121,10 +123,12 @@ class Command(BaseCommand):
         if opts["start"] and run.status == "draft":
             do_start_run(run, actor=owner)
             self.stdout.write(f"started run #{run.pk} {run.name}")
-        self.seed_tool_demo(owner, verifier)
+        self.seed_tool_demo(owner, verifier, domains["addition"])
 
-    def seed_tool_demo(self, owner: Any, verifier: Verifier) -> None:
-        """The tool demo: its base model, the ``product`` domain in the python_tool environment, a draft run."""
+    def seed_tool_demo(self, owner: Any, verifier: Verifier, addition: TaskDomain) -> None:
+        """The tool demo: its base model, the ``product`` domain in the python_tool environment, and a draft
+        run over it and over ``addition`` (answered in the model's head, single-turn): the run's evaluation has
+        both layers, end-to-end episodes and capability items."""
         from workers.policy.demo_tasks import _split_pool
 
         model_dir = settings.BASE_DIR / TOOL_MODEL_DIR
@@ -150,7 +154,7 @@ class Command(BaseCommand):
             result = do_import_tasks(domain, lines)
             self.stdout.write(f"domain product: {result.imported} tasks ({result.heldout} held out)")
         if not Run.objects.filter(owner=owner, name="demo: tool use").exists():
-            do_create_run(owner, name="demo: tool use", base_model=base_model, domains=[DomainWeight(domain)],
-                          spec=TOOL_RUN_SPEC,
+            do_create_run(owner, name="demo: tool use", base_model=base_model,
+                          domains=[DomainWeight(domain), DomainWeight(addition, weight=0.25)], spec=TOOL_RUN_SPEC,
                           description="Multi-turn GRPO: the model learns to compute products with a Python tool "
                                       "in a sandbox session. Start it from this page.")
