@@ -77,7 +77,8 @@ class SandboxSpec:
     code: str
     """Untrusted Python source, run as `__main__` with the work directory as cwd."""
     runtime: str = "python"
-    """Which warm interpreter runs it; only "python" exists today."""
+    """Which runtime's warm interpreters run it (``sandboxes.runtimes``): "python", the host interpreter with
+    its standard library only, or a defined runtime whose read-only image holds its packages."""
     files: Mapping[str, str | bytes] = field(default_factory=dict)
     """Read-only inputs placed in the work directory (root-owned, 0444, sticky directory)."""
     writable_files: Mapping[str, str | bytes] = field(default_factory=dict)
@@ -200,6 +201,13 @@ class SandboxResult:
     tier: str
     report: HarnessReport | None
     error: str | None
+    runtime: str = "python"
+    warm: bool | None = None
+    """Whether a warm zygote ran it (False: this execution started its runtime's zygote: a cold start)."""
+    attempts: int = 1
+    """Zygotes tried: more than one after an infrastructure failure (see ``SandboxPool.run``)."""
+    build_seconds: float = 0.0
+    """The image build this execution waited for (0 when its runtime's image was already built)."""
 
     @property
     def passed(self) -> bool:
@@ -225,6 +233,10 @@ class SandboxResult:
             "tier": self.tier,
             "report": None if self.report is None else self.report.to_dict(),
             "error": self.error,
+            "runtime": self.runtime,
+            "warm": self.warm,
+            "attempts": self.attempts,
+            "build_seconds": round(self.build_seconds, 3),
         }
 
 

@@ -51,6 +51,7 @@ from typing import Any, Literal
 
 from sandboxes.api import Artifact, Limits, SandboxSpec
 from sandboxes.harness import FRAME_HEADER, MAX_FRAME_BYTES, ReportTampered, sign
+from sandboxes.pool import _Zygote, launch_for
 from sandboxes.protocol import JOB_LENGTH, Standby, readable
 from sandboxes.runner import _drain, collect_artifacts
 
@@ -88,6 +89,8 @@ class SessionSpec:
     artifacts: Sequence[str] = ()
     """Glob patterns (relative to the work directory) collected when the session closes."""
     limits: SessionLimits = field(default_factory=SessionLimits)
+    runtime: str = "python"
+    """The runtime whose warm interpreter runs the session (``sandboxes.runtimes``; its image read-only)."""
 
 
 @dataclass(frozen=True)
@@ -189,8 +192,8 @@ def sweep(now: float | None = None) -> list[int]:
 class Session:
     """One episode's sandbox. Not thread-safe: one caller at a time (the episode's)."""
 
-    def __init__(self, pool: SessionPool, standby: Standby, spec: SessionSpec) -> None:
-        self.pool, self.standby, self.spec = pool, standby, spec
+    def __init__(self, pool: SessionPool, standby: Standby, spec: SessionSpec, zygote: _Zygote) -> None:
+        self.pool, self.standby, self.spec, self.zygote = pool, standby, spec, zygote
         self.limits = spec.limits
         self.opened = time.monotonic()
         self.deadline = self.opened + self.limits.deadline_seconds
@@ -212,13 +215,13 @@ class Session:
     # ------------------------------------------------------------ lifecycle
 
     def _start(self) -> None:
-        runner, standby, lim = self.pool.zygote.runner, self.standby, self.limits
+        runner, standby, lim = self.zygote.runner, self.standby, self.limits
         setup = SandboxSpec(code=self.spec.setup, files=self.spec.files, writable_files=self.spec.writable_files,
                             limits=Limits(cpu_seconds=lim.cpu_seconds, wall_seconds=lim.deadline_seconds,
                                           memory_bytes=lim.memory_bytes, max_processes=lim.max_processes,
                                           max_file_bytes=lim.max_file_bytes, max_open_files=lim.max_open_files,
                                           max_output_bytes=lim.max_output_bytes, disk_bytes=lim.disk_bytes))
-        runner._prepare(standby, setup, self.pool._remount)
+        runner._prepare(standby, setup, lambda ident, size: self.pool._remount(self.zygote, ident, size))
         with contextlib.suppress(OSError):
             os.setpriority(os.PRIO_PROCESS, standby.pid, 0)
         sandbox_root = "/tmp" if runner.namespaces else standby.slot
@@ -249,7 +252,7 @@ class Session:
         with contextlib.suppress(OSError):
             signal.pidfd_send_signal(standby.pidfd, signal.SIGKILL)  # its init: the namespace goes with it
         readable(standby.pidfd, 5.0)
-        runner = self.pool.zygote.runner
+        runner = self.zygote.runner
         if self.spec.artifacts:
             self.artifacts = collect_artifacts(runner.path(standby, "work"), self.spec.artifacts)
         self.pool._release(self)
@@ -369,7 +372,7 @@ class Session:
                 return CellResult("timeout", _text(out, cap), _text(err, cap), self.dead, now - started)
 
     def _death_reason(self) -> str:
-        ended = self.pool._exit_status(self.standby.ident)
+        ended = self.pool._exit_status(self.zygote, self.standby.ident)
         if ended is None:
             return "the session ended"
         code = os.waitstatus_to_exitcode(ended[0])
@@ -381,7 +384,7 @@ class Session:
 
     def files(self) -> list[str]:
         """The work directory's files now (relative paths), for an environment that shows them."""
-        root = self.pool.zygote.runner.path(self.standby, "work")
+        root = self.zygote.runner.path(self.standby, "work")
         return sorted(os.path.relpath(p, root) for p in glob.glob(os.path.join(root, "**"), recursive=True)
                       if os.path.isfile(p))
 
@@ -401,15 +404,14 @@ def _text(data: bytearray, cap: int | None = None) -> str:
 
 
 class SessionPool:
-    """A warm zygote that hands out sessions; thread-safe. Its watchdog kills sessions past their deadline
+    """Warm zygotes (one per runtime, the default's started now, others on first use, their images built
+    first if need be) that hand out sessions; thread-safe. Its watchdog kills sessions past their deadline
     (also ones whose caller is stuck) and sweeps leases left by owners that died."""
 
     def __init__(self, watchdog_seconds: float = 0.5) -> None:
-        from sandboxes.pool import _Zygote
-
         sweep()
         self.owner_pid = os.getpid()
-        self.zygote = _Zygote("python", None)
+        self.zygotes: dict[str, _Zygote] = {"python": _Zygote("python", None)}
         self.tier = self.zygote.tier
         self._lock = threading.Lock()
         self._open: dict[int, Session] = {}
@@ -419,15 +421,39 @@ class SessionPool:
                                           name="temper-session-watchdog")
         self._watchdog.start()
 
+    @property
+    def zygote(self) -> _Zygote:
+        """The default runtime's zygote."""
+        return self.zygotes["python"]
+
+    def _zygote_for(self, runtime: str) -> _Zygote:
+        """The runtime's zygote, started (and its image built) on first use; raises with the reason when
+        the runtime is unknown or its image cannot be built."""
+        with self._lock:
+            zygote = self.zygotes.get(runtime)
+            if zygote is not None and zygote.alive():
+                return zygote
+        launch, _ = launch_for(runtime)  # outside the lock: a build takes seconds
+        fresh = _Zygote(runtime, None, launch)
+        with self._lock:
+            old = self.zygotes.get(runtime)
+            if old is not None and old.alive():  # another thread started one meanwhile
+                fresh.close()
+                return old
+            self.zygotes[runtime] = fresh
+            return fresh
+
     def open(self, spec: SessionSpec | None = None) -> Session:
         if self._closed:
             raise RuntimeError("this SessionPool is closed")
+        spec = spec or SessionSpec()
+        zygote = self._zygote_for(spec.runtime)
         with self._lock:
-            standby = self.zygote._take()
-            self.zygote.active.add(standby.ident)
-        session = Session(self, standby, spec or SessionSpec())
+            standby = zygote._take()
+            zygote.active.add(standby.ident)
+        session = Session(self, standby, spec, zygote)
         with self._lock:
-            self._open[standby.ident] = session
+            self._open[id(session)] = session  # (idents are per zygote)
         return session
 
     @contextlib.contextmanager
@@ -438,20 +464,21 @@ class SessionPool:
         finally:
             session.close()
 
-    def _remount(self, ident: int, size: int) -> None:
+    def _remount(self, zygote: _Zygote, ident: int, size: int) -> None:
         with self._lock:
-            self.zygote._remount(ident, size)
+            zygote._remount(ident, size)
 
-    def _exit_status(self, ident: int) -> tuple[int, float, int] | None:
+    def _exit_status(self, zygote: _Zygote, ident: int) -> tuple[int, float, int] | None:
         with self._lock:
-            return self.zygote._exit_status(ident, 2.0)
+            return zygote._exit_status(ident, 2.0)
 
     def _release(self, session: Session) -> None:
+        zygote = session.zygote
         with self._lock:
-            self._open.pop(session.standby.ident, None)
-            self.zygote.active.discard(session.standby.ident)
-            self.zygote.exits.pop(session.standby.ident, None)
-            self.zygote._release(session.standby)
+            self._open.pop(id(session), None)
+            zygote.active.discard(session.standby.ident)
+            zygote.exits.pop(session.standby.ident, None)
+            zygote._release(session.standby)
 
     def _watch(self, every: float) -> None:
         while not self._stop.wait(every):
@@ -475,7 +502,8 @@ class SessionPool:
         for session in list(self._open.values()):
             with contextlib.suppress(Exception):
                 session.close()
-        self.zygote.close()
+        for zygote in self.zygotes.values():
+            zygote.close()
 
     def __enter__(self) -> SessionPool:
         return self

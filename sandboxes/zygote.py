@@ -69,6 +69,12 @@ SANDBOX_ENV = {
     "LOGNAME": "sandbox",
     "PYTHONDONTWRITEBYTECODE": "1",
     "PYTHONIOENCODING": "utf-8",
+    # Numerical libraries (OpenBLAS, OpenMP, MKL) start a thread per core at import: in a zygote that
+    # preloads numpy they would make every fork a fork of a multi-threaded process, and in a sandbox they
+    # would count against its process limit. One thread each.
+    "OPENBLAS_NUM_THREADS": "1",
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
 }
 SANDBOX_ROOT = "/tmp"  # in the namespaced tiers: a fresh tmpfs per execution
 UID_BASE = 1_000_000  # sandbox uid = UID_BASE + zygote pid: unmapped, unique among live zygotes
@@ -516,14 +522,37 @@ def _read_exact(fd: int, n: int) -> bytes | None:
 
 
 
+def standard_library_only(keep: str) -> None:
+    """Drop every site-packages directory (and what .pth files added) from ``sys.path``: the default runtime
+    is the interpreter and its standard library, whatever the worker or the interpreter has installed."""
+    base = os.path.realpath(sys.base_prefix)
+    sys.path[:] = [p for p in sys.path if p == keep or (
+        os.path.realpath(p or ".").startswith(base + os.sep)
+        and "site-packages" not in p and "dist-packages" not in p)]
+
+
 def main() -> None:
-    """Entry point: `python -I -c "...; main()" OWNER_PID SOCKET_FD [FORCED_TIER]`."""
+    """Entry point: `python -I -c "...; main()" OWNER_PID SOCKET_FD [FORCED_TIER [PRELOAD [STDLIB_ONLY]]]`.
+
+    PRELOAD: the runtime's own modules (comma-separated) imported before the first fork; a runtime
+    module that fails to import fails the start (a broken image), unlike the standard ones of `PRELOAD`.
+    STDLIB_ONLY ("1"): the default runtime, see `standard_library_only`."""
     owner_pid, sock_fd = int(sys.argv[1]), int(sys.argv[2])
     forced = sys.argv[3] if len(sys.argv) > 3 and sys.argv[3] else None
+    runtime_preload = [m for m in (sys.argv[4] if len(sys.argv) > 4 else "").split(",") if m]
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET, fileno=sock_fd)
+    if len(sys.argv) > 5 and sys.argv[5] == "1":
+        standard_library_only(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     for name in PRELOAD:
         with contextlib.suppress(ImportError):
             __import__(name)
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET, fileno=sock_fd)
+    try:
+        for name in runtime_preload:
+            __import__(name)
+    except BaseException as exc:
+        with contextlib.suppress(OSError):
+            send_packet(sock, {"ready": False, "error": f"preloading {name} failed: {exc!r}"[:2000]})
+        return
     if os.getppid() != owner_pid:
         return
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C in a terminal reaches the owner, which closes us

@@ -1,26 +1,78 @@
 """Hostile code, one attacked property per test. Each must get the right status, and (checked by the
 autouse fixture in conftest) leave no process behind.
 
+Every test that takes ``pool`` runs twice: in the default runtime and in the numpy runtime (its image
+built once per machine, its zygotes preloading numpy), so a runtime's image weakens none of it.
+
 Wall-clock assertions are generous: the machine is a loaded 2-core box; CPU time is what we judge.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
 import textwrap
 import time
+from typing import Any
 
 import pytest
 
-from sandboxes import Limits, SandboxPool, SandboxSpec
+from sandboxes import Limits, SandboxPool, SandboxResult, SandboxSpec, runtimes
 
 from .conftest import strays, watch
 
 
+class InRuntime:
+    """The session's pool, running every spec in one runtime."""
+
+    def __init__(self, pool: SandboxPool, runtime: str) -> None:
+        self._pool, self.runtime = pool, runtime
+
+    def run(self, spec: SandboxSpec) -> SandboxResult:
+        return self._pool.run(dataclasses.replace(spec, runtime=self.runtime))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._pool, name)
+
+
+@pytest.fixture(params=["python", pytest.param("numpy", marks=pytest.mark.slow)])
+def pool(request: pytest.FixtureRequest, pool: SandboxPool) -> Any:
+    if request.param != "python":
+        runtimes.ensure_image(runtimes.get(request.param))
+        pool.run(SandboxSpec(code="pass", runtime=request.param))  # its zygote up: counted among the watched
+        watch(pool)
+    return InRuntime(pool, request.param)
+
+
 def spec(code: str, **limits: float) -> SandboxSpec:
     return SandboxSpec(code=textwrap.dedent(code), limits=Limits(**limits))  # type: ignore[arg-type]
+
+
+def test_the_image_and_the_interpreter_are_read_only(pool: SandboxPool) -> None:
+    """Code cannot change the runtime it runs in: not its packages, not the standard library, for nobody
+    after it either."""
+    result = pool.run(spec("""
+        import os, sys, sysconfig
+        targets = [os.path.join(sysconfig.get_path("stdlib"), "json", "__init__.py")]
+        try:
+            import numpy
+            targets += [numpy.__file__, os.path.join(os.path.dirname(numpy.__file__), "planted.py")]
+        except ImportError:
+            pass
+        targets.append(os.path.join(sys.prefix, "planted.pth"))
+        for target in targets:
+            try:
+                open(target, "a").write("raise SystemExit('planted')\\n")
+                print("WROTE", target)
+            except OSError as exc:
+                print("refused", exc.errno)
+    """))
+    assert result.status == "ok" and b"WROTE" not in result.stdout, result.stdout
+    assert result.stdout.count(b"refused") >= 2
+    after = pool.run(spec("import json\ntry:\n    import numpy\nexcept ImportError:\n    pass\nprint('clean')"))
+    assert after.stdout == b"clean\n"
 
 
 def test_infinite_loop_is_stopped_by_the_cpu_limit(pool: SandboxPool) -> None:
@@ -212,7 +264,8 @@ def test_reading_the_worker_environment() -> None:
     assert "TEMPER_TEST_SECRET" not in env
     assert "hunter2" not in result.stdout.decode()
     assert set(env) <= {"PATH", "LANG", "LC_ALL", "HOME", "TMPDIR", "USER", "LOGNAME",
-                        "PYTHONDONTWRITEBYTECODE", "PYTHONIOENCODING", "LC_CTYPE"}
+                        "PYTHONDONTWRITEBYTECODE", "PYTHONIOENCODING", "LC_CTYPE", "OPENBLAS_NUM_THREADS",
+                        "OMP_NUM_THREADS", "MKL_NUM_THREADS"}
 
 
 def test_reading_proc_1_environ(pool: SandboxPool) -> None:
