@@ -51,6 +51,15 @@ class PythonTool:
             description="Files of the session to keep with the episode when it ends (paths or glob patterns "
                         "relative to its work directory, e.g. out.txt or *.csv); shown on the episode's page, "
                         "never scored")
+        runtime: str = Field("python", description="The sandbox runtime the session runs in (runtimes/*.toml; "
+                                                   "python: the standard library only)")
+
+        @field_validator("runtime")
+        @classmethod
+        def _defined_runtime(cls, name: str) -> str:
+            from sandboxes.runtimes import check_name
+
+            return check_name(name)
 
         @field_validator("artifacts")
         @classmethod

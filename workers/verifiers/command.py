@@ -30,10 +30,12 @@ from workers.verifiers.sandbox_call import (
     CODE_FAULTS,
     TOKEN_FILE,
     LimitsConfig,
+    RuntimeName,
     extract_code,
     isolation_refusal,
     prepare_solution,
     run_facts,
+    runtime_field,
     sandbox_failure,
 )
 
@@ -45,10 +47,12 @@ class CommandConfig(VerifierConfig):
     interpreter: Literal["bash", "python"] = Field(default="bash", description="Default interpreter of the test script.")
     bash_path: str = Field(default="/bin/bash", description="Absolute path of bash inside the sandbox.")
     python_path: str | None = Field(
-        default=None, description="Absolute path of Python inside the sandbox; default: python3 of the system root."
+        default=None, description="Absolute path of Python inside the sandbox; default: the runtime's interpreter "
+        "(python3 of the system root for the default runtime)."
     )
     compare: Literal["exact", "strip"] = Field(default="strip", description="How expected files are compared.")
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    runtime: RuntimeName = runtime_field()
     max_completion_chars: int = Field(default=100_000, gt=0)
 
 
@@ -69,6 +73,16 @@ for _p, _c in {files!r}.items():
     with open(_p, "w") as _f:
         _f.write(_c)
 """
+
+
+def _runtime_python(runtime: str) -> str:
+    """The interpreter of a test script: the runtime image's (its packages importable), else the system's."""
+    from sandboxes import runtimes
+
+    definition = runtimes.get(runtime)
+    if definition.is_default:
+        return _system_python()
+    return str(runtimes.image_path(definition) / "bin" / "python")  # built before the sandbox starts
 
 
 def _system_python() -> str:
@@ -128,11 +142,11 @@ class CommandVerifier(BaseVerifier[CommandConfig]):
             # interpreter before the command runs) cannot produce it.
             interp = ref.interpreter or c.interpreter
             argv = [c.bash_path, "-c", ref.script] if interp == "bash" else \
-                [c.python_path or _system_python(), "-c", ref.script]
+                [c.python_path or _runtime_python(c.runtime), "-c", ref.script]
             wrapper = f'"$@"; rc=$?; if [ $rc -eq 0 ]; then printf %s {token} > {TOKEN_FILE} || exit 97; fi; exit $rc'
             command = [c.bash_path, "-c", wrapper, "temper-check", *argv]
         spec = SandboxSpec(code=code, files=files, artifacts=(*ref.expected_files, TOKEN_FILE), command=command,
-                           limits=c.limits.to_limits())
+                           limits=c.limits.to_limits(), runtime=c.runtime)
         result = run(spec)
         failed = sandbox_failure(result)
         if failed is not None:

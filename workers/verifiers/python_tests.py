@@ -73,10 +73,15 @@ from workers.verifiers.sandbox_call import (
     CODE_FAULTS,
     TOKEN_FILE,
     LimitsConfig,
+    RuntimeName,
     extract_code,
+    imported_modules,
     isolation_refusal,
+    missing_module,
     prepare_solution,
     run_facts,
+    runtime_field,
+    runtime_lacks,
     sandbox_failure,
 )
 
@@ -90,6 +95,7 @@ class PreparedRun:
     spec: Any  # sandboxes.SandboxSpec (imported lazily)
     epilogue: Epilogue
     token: str
+    test_imports: frozenset[str] = frozenset()
 
 
 class PythonTestsConfig(VerifierConfig):
@@ -105,6 +111,7 @@ class PythonTestsConfig(VerifierConfig):
         "has no fenced code, so a completion that only continues the function body works.",
     )
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    runtime: RuntimeName = runtime_field()
     max_code_chars: int = Field(default=100_000, gt=0)
 
 
@@ -136,8 +143,9 @@ class PythonTestsVerifier(BaseVerifier[PythonTestsConfig]):
             epilogue=epilogue.chunks(token),
             artifacts=(TOKEN_FILE,),
             limits=c.limits.to_limits(),
+            runtime=c.runtime,
         )
-        return PreparedRun(spec, epilogue, token)
+        return PreparedRun(spec, epilogue, token, frozenset(imported_modules(tests)))
 
     def _judge(self, inp: JudgeInput) -> Verdict:
         from sandboxes import run
@@ -148,14 +156,18 @@ class PythonTestsVerifier(BaseVerifier[PythonTestsConfig]):
         built = self.build_spec(inp)
         if isinstance(built, Verdict):
             return built
-        return self.score_result(run(built.spec), built.epilogue, built.token)
+        return self.score_result(run(built.spec), built.epilogue, built.token, built.test_imports)
 
-    def score_result(self, result: SandboxResult, epilogue: Epilogue, token: str | None) -> Verdict:
+    def score_result(self, result: SandboxResult, epilogue: Epilogue, token: str | None,
+                     test_imports: frozenset[str] = frozenset()) -> Verdict:
         c = self.config
         thr = c.pass_threshold
         failed = sandbox_failure(result)
         if failed is not None:
             return failed
+        lacking = self._lacking_module(result, test_imports)
+        if lacking is not None:
+            return runtime_lacks(c.runtime, lacking, result)
         facts = run_facts(result)
         if result.status in CODE_FAULTS:
             return scored(0.0, thr, CODE_FAULTS[result.status], **facts)
@@ -197,3 +209,15 @@ class PythonTestsVerifier(BaseVerifier[PythonTestsConfig]):
             return scored(passed / len(counted), thr, reason, **facts)
         return scored(1.0 if passed == len(counted) and first_failure is None else 0.0, thr, reason, **facts)
 
+    @staticmethod
+    def _lacking_module(result: SandboxResult, test_imports: frozenset[str]) -> str | None:
+        """A module the tests import that the runtime does not have: the tests' own import failed, or the
+        solution's import of a module the tests also import (a missing package, not a wrong answer)."""
+        report = result.report
+        if report is None:
+            return None
+        for error in [report.code_error, *(s.error for s in report.statements)]:
+            module = missing_module(error)
+            if module is not None and module in test_imports:
+                return module
+        return None

@@ -13,9 +13,9 @@ import ast
 import re
 import secrets
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from workers.verifiers.base import Verdict, invalid
 
@@ -59,6 +59,22 @@ class LimitsConfig(BaseModel):
             max_output_bytes=self.max_output_kb << 10,
         )
 
+
+
+def _defined_runtime(name: str) -> str:
+    from sandboxes.runtimes import check_name
+
+    return check_name(name)  # "unknown sandbox runtime 'x'; defined: numpy, python (add runtimes/x.toml)"
+
+
+RuntimeName = Annotated[str, AfterValidator(_defined_runtime)]
+"""A defined sandbox runtime's name (``sandboxes.runtimes``: ``runtimes/*.toml``, or ``python``)."""
+
+
+def runtime_field() -> Any:
+    return Field(default="python", description="The sandbox runtime the code runs in: python (the host's "
+                 "interpreter, standard library only) or a runtime defined in runtimes/*.toml, such as numpy "
+                 "(its packages in a read-only image, its heavy modules preloaded)")
 
 
 # ---------------------------------------------------------------- code extraction
@@ -115,10 +131,52 @@ def isolation_refusal(limits: LimitsConfig) -> Verdict | None:
 
 
 def sandbox_failure(result: SandboxResult) -> Verdict | None:
-    """An invalid verdict when the sandbox itself failed (not the code under test)."""
+    """An invalid verdict when the sandbox itself failed (not the code under test): a sandbox that could not
+    start, an image that could not be built (the package and pip's reason are in the error), after the
+    pool's retries on fresh zygotes."""
     if result.status == "sandbox_error":
-        return invalid(f"sandbox error: {result.error or 'unknown'}"[:500], tier=result.tier)
+        return invalid(f"sandbox error: {result.error or 'unknown'}"[:500], **sandbox_facts(result))
     return None
+
+
+_NO_MODULE = re.compile(r"^ModuleNotFoundError: No module named '([^']+)'")
+
+
+def missing_module(error: str | None) -> str | None:
+    """The top-level module an error says is not installed (``ModuleNotFoundError: No module named 'x.y'``)."""
+    match = _NO_MODULE.match(error or "")
+    return match.group(1).split(".")[0] if match else None
+
+
+def imported_modules(source: str) -> set[str]:
+    """The top-level modules a (trusted) test text imports."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError, RecursionError):
+        return set()
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def runtime_lacks(runtime: str, module: str, result: SandboxResult) -> Verdict:
+    """Invalid: the runtime has no module the task's tests need — the domain's setup, not the model's fault."""
+    hint = ("the default runtime is the standard library only: name a runtime that has it (runtimes/*.toml) "
+            "in the verifier's config" if runtime == "python" else
+            f"add the package that provides it to runtimes/{runtime}.toml")
+    return invalid(f"the sandbox runtime {runtime!r} has no module {module!r}, which the tests import; {hint}",
+                   missing_module=module, **sandbox_facts(result))
+
+
+def sandbox_facts(result: SandboxResult) -> dict[str, Any]:
+    """Where it ran: the runtime, a warm or cold start, the zygotes tried, the image build waited for."""
+    return {"tier": result.tier, "runtime": result.runtime,
+            "sandbox_start": None if result.warm is None else ("warm" if result.warm else "cold"),
+            "sandbox_attempts": result.attempts, "image_build_s": round(result.build_seconds, 3)}
 
 
 CODE_FAULTS = {
@@ -131,13 +189,13 @@ CODE_FAULTS = {
 
 def run_facts(result: SandboxResult) -> dict[str, Any]:
     return {
+        **sandbox_facts(result),
         "sandbox_status": result.status,
         "exit_code": result.exit_code,
         "signal": result.signal,
         "cpu_seconds": round(result.cpu_seconds or 0.0, 4),
         "wall_seconds": round(result.wall_seconds or 0.0, 4),
         "peak_memory_bytes": result.peak_memory_bytes,
-        "tier": result.tier,
         "stdout_tail": result.stdout[-400:].decode("utf-8", "replace"),
         "stderr_tail": result.stderr[-800:].decode("utf-8", "replace"),
     }

@@ -229,10 +229,13 @@ class LazySession:
 
 def session_spec(env: Any, limits: Any) -> Any:
     """The sandbox session of one episode: the run's tool time and deadline, and the files the environment
-    keeps (``artifacts`` among its parameters, as ``python_tool`` has)."""
+    keeps and the runtime it runs in (``artifacts`` and ``runtime`` among its parameters, as ``python_tool``
+    has)."""
     from sandboxes.session import SessionLimits, SessionSpec
 
-    return SessionSpec(artifacts=tuple(getattr(getattr(env, "params", None), "artifacts", ()) or ()),
+    params = getattr(env, "params", None)
+    return SessionSpec(artifacts=tuple(getattr(params, "artifacts", ()) or ()),
+                       runtime=str(getattr(params, "runtime", "python") or "python"),
                        limits=SessionLimits(cell_wall_seconds=limits.tool_seconds,
                                             deadline_seconds=limits.deadline_seconds + 5.0))
 
