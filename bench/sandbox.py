@@ -10,9 +10,16 @@ Both sides get the same concurrency: `--concurrency N` runs N executions at a ti
 threads; the pool has N warm zygotes). With 1 (the default) each side runs one execution after the
 other; the pool's zygote still prepares the next sandbox while one runs — that is the design.
 
-    python bench/sandbox.py [--pool-runs 400] [--naive-runs 40] [--concurrency 1]
+Then a runtime (`--runtime numpy`, `--runtime ''` to skip): its image's first (cold) build into a fresh
+image root, warm executions of a numpy solution and its numpy tests in that runtime (numpy preloaded in the
+zygote) next to the plain runtime's, the same program as a naive `python -c` of the image's interpreter
+(which imports numpy every time), and a second domain (other tests, another pool: another worker) naming
+the same runtime, which finds the image built: builds stay 1, and the reuse rate is executions per build.
 
-Ends with one line: `result: pool_p50_ms=… pool_p95_ms=… … throughput_ratio=… concurrency=… tier=…`.
+    python bench/sandbox.py [--pool-runs 400] [--naive-runs 40] [--concurrency 1] [--runtime numpy]
+
+Ends with one line: `result: pool_p50_ms=… pool_p95_ms=… … throughput_ratio=… concurrency=… tier=…
+runtime=numpy runtime_p50_ms=… runtime_cold_build_s=… runtime_naive_p50_ms=… reuse_rate=…`.
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from sandboxes import SandboxPool, SandboxSpec
+from sandboxes import SandboxPool, SandboxSpec, runtimes
 
 SOLUTION = """\
 def fizzbuzz(n):
@@ -47,6 +54,16 @@ assert fizzbuzz(3) == "Fizz"
 assert fizzbuzz(10) == "Buzz"
 assert [fizzbuzz(i) for i in range(1, 16)][-1] == "FizzBuzz"
 """
+
+
+NUMPY_DOMAINS = {
+    "normalize": ("import numpy as np\ndef normalize(v):\n    return v / np.linalg.norm(v)\n",
+                  "import numpy as np\nassert np.allclose(normalize(np.array([3.0, 4.0])), [0.6, 0.8])\n"
+                  "assert np.isclose(np.linalg.norm(normalize(np.arange(1.0, 5.0))), 1.0)\n"),
+    "matrices": ("import numpy as np\ndef gram(a):\n    return a.T @ a\n",
+                 "import numpy as np\nassert np.array_equal(gram(np.eye(3)), np.eye(3))\n"
+                 "assert gram(np.arange(6.0).reshape(2, 3)).shape == (3, 3)\n"),
+}
 
 
 def tree_cpu_seconds(pid: int) -> float:
@@ -91,6 +108,8 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=8, help="interleaved blocks of pool and naive runs")
     parser.add_argument("--concurrency", type=int, default=1,
                         help="executions at a time, on each side (the pool gets this many zygotes)")
+    parser.add_argument("--runtime", default="numpy", help="a runtime to measure against the plain one ('' skips)")
+    parser.add_argument("--runtime-runs", type=int, default=200, help="executions per domain in the runtime")
     args = parser.parse_args()
     concurrency = max(1, args.concurrency)
 
@@ -149,6 +168,12 @@ def main() -> None:
     print(f"throughput ratio (pool / naive): {ratio:.1f}x; pool start latency p50 "
           f"{stats['start_latency_p50_ms']:.2f} ms, warm hits {stats['warm_hits']}, cold starts "
           f"{stats['cold_starts']}, failures {stats['failures']}")
+    extra = ""
+    if args.runtime:
+        rt = runtime_bench(args.runtime, args.runtime_runs, percentile(pool_latencies, 0.5))
+        extra = (f" runtime={args.runtime} runtime_p50_ms={rt['p50_ms']:.2f} runtime_p95_ms={rt['p95_ms']:.2f} "
+                 f"runtime_cold_build_s={rt['cold_build_s']:.1f} runtime_naive_p50_ms={rt['naive_p50_ms']:.1f} "
+                 f"second_domain_builds={rt['second_builds']} reuse_rate={rt['reuse_rate']:.0f}")
     print(
         "result: "
         f"pool_p50_ms={percentile(pool_latencies, 0.5) * 1e3:.2f} "
@@ -163,7 +188,60 @@ def main() -> None:
         f"naive_cpu_ms_per_exec={naive_cpu / len(naive_latencies) * 1e3:.2f} "
         f"concurrency={concurrency} "
         f"tier={tier}"
+        f"{extra}"
     )
+
+
+def runtime_bench(name: str, runs: int, plain_p50: float) -> dict[str, float]:
+    """The runtime's cold build (into a fresh image root), its warm p50, a naive start, a second domain."""
+    definition = runtimes.get(name)
+    root = runtimes.PROJECT_ROOT / "var" / "bench-runtimes" / str(os.getpid())
+    os.environ["TEMPER_RUNTIMES_ROOT"] = str(root)
+    try:
+        started = time.perf_counter()
+        image, built = runtimes.ensure_image(definition)
+        cold_build = time.perf_counter() - started
+        assert built
+        (code_a, tests_a), (code_b, tests_b) = NUMPY_DOMAINS.values()
+        latencies: list[float] = []
+        with SandboxPool(size=1) as first:  # a verify worker judging domain "normalize"
+            spec = SandboxSpec(code=code_a, epilogue=tests_a, runtime=name)
+
+            def one() -> None:
+                if not first.run(spec).passed:
+                    raise SystemExit(f"the {name} runtime gave a wrong verdict")
+            run_block(20, 1, one, [])  # warm-up: the runtime's zygote starts (a cold start) here
+            run_block(runs, 1, one, latencies)
+            a = first.stats()["runtimes_stats"][name]
+        with SandboxPool(size=1) as second:  # another worker, domain "matrices", the same runtime
+            spec_b = SandboxSpec(code=code_b, epilogue=tests_b, runtime=name)
+            for _ in range(runs):
+                if not second.run(spec_b).passed:
+                    raise SystemExit(f"the {name} runtime gave a wrong verdict (second domain)")
+            b = second.stats()["runtimes_stats"][name]
+        naive: list[float] = []
+        argv = [image.python, "-I", "-c", code_a + tests_a]
+        run_block(20, 1, lambda: subprocess.run(argv, check=True, capture_output=True), naive)
+    finally:
+        import shutil
+
+        shutil.rmtree(root, ignore_errors=True)
+    builds = a["image_builds"] + b["image_builds"] + 1  # + the cold build above
+    executions = a["executions"] + b["executions"]
+    out = {"p50_ms": percentile(latencies, 0.5) * 1e3, "p95_ms": percentile(latencies, 0.95) * 1e3,
+           "cold_build_s": cold_build, "naive_p50_ms": percentile(naive, 0.5) * 1e3,
+           "second_builds": b["image_builds"], "reuse_rate": executions / builds}
+    print(f"runtime {name} ({', '.join(definition.packages)}; preload {', '.join(definition.preload) or '-'}): "
+          f"cold build {cold_build:.1f} s, image {image.size_bytes / 1e6:.0f} MB")
+    print(f"{'path':<34} {'runs':>6} {'p50 ms':>9} {'p95 ms':>9}")
+    print(f"{'plain runtime (fizzbuzz, above)':<34} {'':>6} {plain_p50 * 1e3:>9.2f}")
+    print(f"{name + ' runtime, warm (numpy tests)':<34} {len(latencies):>6} {out['p50_ms']:>9.2f} {out['p95_ms']:>9.2f}")
+    print(f"{'naive python -c from the image':<34} {len(naive):>6} {out['naive_p50_ms']:>9.2f} "
+          f"{percentile(naive, 0.95) * 1e3:>9.2f}")
+    print(f"domain normalize: {a['executions']} executions, cold starts {a['cold_starts']}, builds 0 (built above); "
+          f"domain matrices (another pool): {b['executions']} executions, image builds {b['image_builds']}, cache hits "
+          f"{b['image_cache_hits']}; reuse rate {out['reuse_rate']:.0f} executions per build")
+    return out
 
 
 if __name__ == "__main__":
