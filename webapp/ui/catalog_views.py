@@ -13,6 +13,7 @@ from django.views.decorators.http import require_POST
 
 from webapp.catalog import services as catalog_services
 from webapp.catalog.models import BaseModel, CalibrationCase, CalibrationStatus, Task, TaskDomain, Verifier
+from webapp.catalog.runtimes import domain_runtimes
 from webapp.catalog.task_import import ImportFailed
 from webapp.common.errors import TemperError
 from webapp.runs.models import Run
@@ -98,7 +99,7 @@ def domain_detail(request: HttpRequest, domain_id: int) -> HttpResponse:
         "kind_example_file": f"examples/{domain.kind}.jsonl",
         "template_fields": [*allowed_fields(domain.kind), "metadata.<key>"],
         "default_template": spec.default_template, "previews": previews,
-        "verifier_kinds": spec.verifiers,
+        "verifier_kinds": spec.verifiers, "runtimes": domain_runtimes(domain),
         "runs": Run.objects.visible_to(request.user).filter(domains=domain).order_by("-id")[:20],
     })
 

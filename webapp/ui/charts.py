@@ -35,6 +35,10 @@ CHARTS: list[dict[str, Any]] = [
     {"id": "quality", "title": "Invalid, zero-variance and truncated shares",
      "names": ["invalid_rate", "zero_variance_share", "truncation_rate", "nonfinite"], "y": "share",
      "range": [0, 1.05]},
+    {"id": "sandbox", "title": "Sandboxes per domain: cold-start share, retries after infrastructure failures, "
+                               "runtime image builds waited for (count, longest seconds)",
+     "names": ["sandbox_cold_share", "sandbox_retries", "sandbox_image_builds", "sandbox_build_s"],
+     "y": "share / count / s", "sandbox": True},
     # Episodes of multi-turn domains, per domain, one unit per chart; ``episodes`` charts stay hidden on a run
     # without an environment domain (they would only ever be empty boxes there). Solve rate: "Pass rate".
     {"id": "ep_tools", "title": "Episodes: tool-call rate, tool and parse errors, environment share of tokens",

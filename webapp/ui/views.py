@@ -170,13 +170,16 @@ def run_detail(request: HttpRequest, run_id: int) -> HttpResponse:
     groups = _group_counts(run)
     # a run without an environment domain has no episodes: their charts would only be empty boxes
     episodic = any(rd.domain.environment != "single_turn" for rd in run_domains)
+    names = metric_store.series_names(run.pk) if run.metric_seq else []
+    # the sandbox chart once a sandboxed verdict was reported (a run of text verifiers never has one)
+    sandboxed = any(n.startswith("sandbox_") for n in names)
     page_config = {
         "run": run.pk,
         "status": run.status,
         "allowed": {action: sorted(services.TRANSITIONS[action][0]) for action, _ in CONTROLS},
-        "charts": CHARTS if episodic else [c for c in CHARTS if not c.get("episodes")],
+        "charts": [c for c in CHARTS if (episodic or not c.get("episodes")) and (sandboxed or not c.get("sandbox"))],
         "domains": {str(rd.domain_id): rd.domain.name for rd in run_domains},
-        "names": metric_store.series_names(run.pk) if run.metric_seq else [],
+        "names": names,
         "apiRun": f"/api/v1/runs/{run.pk}/",
     }
     return render(request, "ui/run_detail.html", {

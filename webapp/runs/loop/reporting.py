@@ -86,6 +86,7 @@ def step_points(run: Run, version: PolicyVersion) -> list[Point]:
         for domain_id, values in per_domain.items():
             points.append(Point(f"{name}_p50", step, quantile(values, 0.5), domain_id=domain_id))
             points.append(Point(f"{name}_p95", step, quantile(values, 0.95), domain_id=domain_id))
+    points += sandbox_points(run, step)
     # episodes of multi-turn domains: turns, tool calls and their errors, how much of the text the
     # environment wrote, why they stopped, and how long their sessions took to open (per domain)
     episodes: defaultdict[int | None, list[tuple[list[dict[str, Any]], str, int]]] = defaultdict(list)
@@ -146,6 +147,29 @@ def step_points(run: Run, version: PolicyVersion) -> list[Point]:
     window = run.state.get("step_window")  # [previous step's end, this step's end], wall clock
     if window and window[1] > window[0] and run.step == step:
         points.append(Point("gpu_busy", step, min(1.0, live.take_busy(run.pk) / (window[1] - window[0]))))
+    return points
+
+
+def sandbox_points(run: Run, step: int) -> list[Point]:
+    """Per domain, from where its sandboxed verdicts ran (``sandbox_call.sandbox_facts``): the share of cold
+    starts (an execution that started its runtime's zygote), the retries after infrastructure failures, and
+    the image builds executions waited for (count, and the longest in seconds)."""
+    rows = (Trajectory.objects.filter(run=run, trained_step=step, verifier_details__has_key="sandbox_start")
+            .values_list("domain_id", "verifier_details__sandbox_start", "verifier_details__sandbox_attempts",
+                         "verifier_details__image_build_s"))
+    per_domain: defaultdict[int | None, list[tuple[Any, Any, Any]]] = defaultdict(list)
+    for row_domain, start, attempts, build_s in rows:
+        per_domain[row_domain].append((start, attempts, build_s))
+    points = []
+    for domain_id, facts in per_domain.items():
+        builds = [float(b) for _, _, b in facts if isinstance(b, (int, float)) and b > 0]
+        points += [
+            Point("sandbox_cold_share", step, sum(s == "cold" for s, _, _ in facts) / len(facts), domain_id=domain_id),
+            Point("sandbox_retries", step, float(sum(max(0, int(a) - 1) for _, a, _ in facts if isinstance(a, int))),
+                  domain_id=domain_id),
+            Point("sandbox_image_builds", step, float(len(builds)), domain_id=domain_id),
+            Point("sandbox_build_s", step, max(builds, default=0.0), domain_id=domain_id),
+        ]
     return points
 
 
