@@ -3,6 +3,7 @@
     python -m sandboxes 'print(1)'
     python -m sandboxes --epilogue 'assert add(1, 2) == 3' 'def add(a, b): return a + b'
     python -m sandboxes --file solution.py --wall 2 --command bash test.sh
+    python -m sandboxes --runtime numpy 'import numpy; print(numpy.ones(3).sum())'
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpu", type=float, default=5.0, help="CPU-time limit in seconds")
     parser.add_argument("--memory-mb", type=int, default=512, help="memory limit in MiB")
     parser.add_argument("--command", nargs=argparse.REMAINDER, help="argv to run after the code")
+    parser.add_argument("--runtime", default="python",
+                        help="the runtime to run in (runtimes/*.toml; its image is built first if need be)")
     parser.add_argument("--tier", action="store_true", help="only print the isolation tier")
     args = parser.parse_args(argv)
 
@@ -54,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         epilogue=args.epilogue,
         command=args.command or None,
         limits=Limits(wall_seconds=args.wall, cpu_seconds=args.cpu, memory_bytes=args.memory_mb << 20),
+        runtime=args.runtime,
     )
     with SandboxPool(size=1) as pool:
         result = pool.run(spec)
