@@ -1,5 +1,6 @@
-"""Verifier throughput: judgments per second per kind, and the sandboxed ``python_tests`` verifier against
-a naive one-subprocess-per-answer harness on the same HumanEval answers.
+"""Verifier throughput: judgments per second per kind, the sandboxed ``python_tests`` verifier against
+a naive one-subprocess-per-answer harness on the same HumanEval answers, and ``python_reward`` (the user's
+``score()`` judging a whole group in one sandbox execution) against a naive one-interpreter-per-sample one.
 
     python bench/verifiers.py                 # ~1 minute on a quiet 2-core machine
     python bench/verifiers.py --problems 164  # every HumanEval problem (canonical + corrupted answer)
@@ -10,6 +11,9 @@ tests/verifiers/test_python_tests.py); it is measured here only for speed. Both 
 answers one at a time ("at once" 1 in the table) after a short warm-up (a sandbox worker keeps its pool
 warm, and the naive harness gets a warm page cache), in slices taken in turn so that a change in machine
 load hits both alike; with ``--threads N`` both are also run N at a time.
+``python_reward`` is measured on groups of ``--group-size`` answers to addition prompts (a third of them
+wrong), with the same ``score()`` in all three harnesses: one execution per group (the loop's path), one
+per sample (``judge``, calibration's path), and a fresh ``python -c`` per sample printing the score.
 The last line is machine-readable: ``result: key=value …``.
 """
 
@@ -182,6 +186,53 @@ def python_tests_comparison(problems: int, threads: int) -> list[Measurement]:
     return out
 
 
+REWARD_CODE = """def score(prompt, completion, reference):
+    answers = reference["answer"]
+    answers = [answers] if isinstance(answers, str) else answers
+    return 1.0 if completion.strip() in answers else 0.0
+"""
+
+
+def reward_groups(groups: int, size: int) -> list[list[JudgeInput]]:
+    return [[JudgeInput(f"{g}+{i}=", str(g + i + (1 if (g + i) % 3 == 0 else 0)), {"answer": str(g + i)})
+             for i in range(size)] for g in range(groups)]
+
+
+def naive_reward(group: list[JudgeInput]) -> bool:
+    """The baseline: one fresh interpreter per sample running the user's code, the score read from stdout.
+    It isolates NOTHING (and a score() printing a number forges its result): only ever give it this
+    benchmark's own score()."""
+    ok = True
+    for inp in group:
+        code = REWARD_CODE + f"\nprint(score({inp.prompt!r}, {inp.completion!r}, {inp.reference!r}))\n"
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=10, cwd=_NAIVE_CWD)
+        ok = ok and proc.returncode == 0 and proc.stdout.strip() in ("0.0", "1.0")
+    return ok
+
+
+def python_reward_comparison(groups: int, size: int) -> list[Measurement]:
+    verifier = build_verifier("python_reward", {"code": REWARD_CODE})
+
+    def per_group(group: list[JudgeInput]) -> bool:
+        verdicts = verifier.judge_group(group)
+        if any(v.status == "invalid" for v in verdicts):
+            raise RuntimeError(f"python_reward: unexpected invalid verdict: {verdicts}")
+        return True
+
+    def per_sample(group: list[JudgeInput]) -> bool:
+        return all(verifier.judge(inp).status != "invalid" for inp in group)
+
+    expected = [True] * groups
+    out = interleaved([
+        (f"python_reward: 1 execution per group of {size}", per_group, expected),
+        ("python_reward: 1 execution per sample", per_sample, expected),
+        ("python_reward: naive python -c per sample", naive_reward, expected),
+    ], reward_groups(groups, size))
+    for m in out:  # counted in samples judged, not groups
+        m.n, m.correct = m.n * size, None if m.correct is None else m.correct * size
+    return out
+
+
 def table(measurements: Sequence[Measurement]) -> str:
     head = (f"{'verifier':<46} {'at once':>7} {'n':>5} {'seconds':>8} {'judg/s':>9} {'p50 ms':>8} {'p95 ms':>8} "
             f"{'correct':>8}")
@@ -200,14 +251,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=int(os.environ.get("TEMPER_SANDBOX_POOL_SIZE", "1")),
                         help="also run both python_tests harnesses from this many threads "
                              "(set TEMPER_SANDBOX_POOL_SIZE to the same number)")
+    parser.add_argument("--reward-groups", type=int, default=30, help="python_reward: groups judged per harness")
+    parser.add_argument("--group-size", type=int, default=8, help="python_reward: samples per group (G)")
+    parser.add_argument("--only", choices=["python_reward"], help="measure only this comparison")
     args = parser.parse_args(argv)
 
     from sandboxes import probe_tier
 
     print(f"sandbox tier: {probe_tier()}   cpus: {os.cpu_count()}   load: {os.getloadavg()[0]:.2f}")
+    reward = python_reward_comparison(args.reward_groups, args.group_size)
+    grouped, sampled, naive_reward_m = reward
+    reward_fields = {
+        "python_reward_per_s": f"{grouped.per_second:.1f}",
+        "python_reward_per_sample_per_s": f"{sampled.per_second:.1f}",
+        "python_reward_naive_per_s": f"{naive_reward_m.per_second:.1f}",
+        "python_reward_speedup": f"{grouped.per_second / naive_reward_m.per_second:.2f}",
+        "group_size": str(args.group_size),
+    }
+    if args.only == "python_reward":
+        print(table(reward))
+        print("result: " + " ".join(f"{k}={v}" for k, v in reward_fields.items()))
+        return 0
     kinds = simple_kinds(args.n)
     comparison = python_tests_comparison(args.problems, args.threads)
-    print(table([*kinds, *comparison]))
+    print(table([*kinds, *comparison, *reward]))
     ours, naive, floor = comparison[0], comparison[1], comparison[2]
     speedup = ours.per_second / naive.per_second
     print(f"\npython_tests: sandboxed {ours.per_second:.1f}/s vs naive {naive.per_second:.1f}/s "
@@ -222,6 +289,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "naive_correct": f"{naive.correct}/{naive.n}",
         "empty_sandbox_per_s": f"{floor.per_second:.1f}",
     })
+    fields.update(reward_fields)
     if len(comparison) == 5:
         fields["speedup_threads"] = f"{comparison[3].per_second / comparison[4].per_second:.2f}"
     print("result: " + " ".join(f"{k}={v}" for k, v in fields.items()))

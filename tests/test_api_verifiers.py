@@ -116,3 +116,46 @@ def test_calibration_on_the_verify_worker_passes_good_and_refuses_noisy(start_wo
     assert Verifier.objects.get(pk=noisy["id"]).calibration_status == "failed"
     shown = api.get(f"/api/v1/verifiers/{noisy['id']}/").json()["last_calibration"]
     assert shown["passed"] is False and shown["id"] == noisy_report.pk
+
+
+REWARD = ("def score(prompt, completion, reference):\n"
+          "    return 1.0 if completion.strip() == reference[\"answer\"] else 0.0\n")
+
+
+@pytest.mark.django_db
+def test_python_reward_is_validated_and_dry_run_when_saved(api, user):
+    created = api.post("/api/v1/verifiers/", {"name": "mine", "kind": "python_reward", "config": {"code": REWARD},
+                                              "calibration_cases": GOOD_CASES}, format="json")
+    assert created.status_code == 201, created.content
+    verifier = Verifier.objects.get(pk=created.json()["id"])
+    assert verifier.config["code"] == REWARD
+    assert verifier.calibration_cases.count() == 6
+    # does not compile: the line is named, nothing is stored
+    response = api.post("/api/v1/verifiers/", {"name": "broken", "kind": "python_reward",
+                                               "config": {"code": "def score(p, c, r):\n    return (\n"}}, format="json")
+    assert response.status_code == 400 and "line 2" in str(response.json()["config"]), response.content
+    response = api.post("/api/v1/verifiers/", {"name": "no-score", "kind": "python_reward",
+                                               "config": {"code": "def reward(p, c, r):\n    return 1\n"}}, format="json")
+    assert response.status_code == 400 and "defines no top-level score" in str(response.json()["config"])
+    # compiles, but fails on a calibration case when dry-run: the case and the line are named
+    typo = REWARD.replace('reference["answer"]', 'reference["answr"]')
+    response = api.post("/api/v1/verifiers/", {"name": "typo", "kind": "python_reward", "config": {"code": typo},
+                                               "calibration_cases": GOOD_CASES}, format="json")
+    assert response.status_code == 400, response.content
+    message = response.json()["config"][0]
+    assert message.startswith("dry run on the calibration cases: case 1: score() raised at line 2") and "KeyError" in message
+    # an edit dry-runs on the stored cases too, and is refused without changing the verifier
+    out_of_range = REWARD.replace("1.0 if", "10.0 if")
+    response = api.patch(f"/api/v1/verifiers/{verifier.pk}/", {"config": {"code": out_of_range}}, format="json")
+    assert response.status_code == 400 and "outside the declared range" in response.json()["config"][0]
+    verifier.refresh_from_db()
+    assert verifier.config["code"] == REWARD
+    assert not Verifier.objects.filter(name__in=["broken", "no-score", "typo"]).exists()
+    # judged now through the dry-run endpoint, by the user's code in the sandbox
+    response = api.post(f"/api/v1/verifiers/{verifier.pk}/dry-run/", {"items": [
+        {"prompt": "2+3=", "completion": "5", "reference": {"answer": "5"}},
+        {"prompt": "2+3=", "completion": "6", "reference": {"answer": "5"}},
+    ]}, format="json")
+    assert [r["verdict"] for r in response.json()["results"]] == ["pass", "fail"]
+    schema = api.get("/api/v1/schema/", HTTP_ACCEPT="application/json").json()
+    assert "python_reward" in str(schema["components"]["schemas"])

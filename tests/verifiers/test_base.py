@@ -95,7 +95,8 @@ def test_pure_package_imports_no_django_celery_or_sandbox_at_import_time() -> No
     code = (
         "import sys, workers.verifiers.base, workers.verifiers.text, workers.verifiers.json_match, "
         "workers.verifiers.calibration, workers.verifiers.batch, workers.verifiers.llm_judge, "
-        "workers.verifiers.python_tests, workers.verifiers.command, workers.verifiers.mathexpr, workers.verifiers.humaneval\n"
+        "workers.verifiers.python_tests, workers.verifiers.command, workers.verifiers.mathexpr, workers.verifiers.humaneval, "
+        "workers.verifiers.python_reward\n"
         "bad = [m for m in sys.modules if m.split('.')[0] in ('django', 'celery', 'torch', 'sandboxes', "
         "'math_verify', 'sympy')]\n"
         "print(bad)\nassert not bad, bad"
@@ -107,7 +108,8 @@ def test_pure_package_imports_no_django_celery_or_sandbox_at_import_time() -> No
 def test_normalized_config_and_schema_for_every_kind() -> None:
     from workers.verifiers.base import config_schema, normalized_config
 
-    minimal = {"llm_judge": {"rubric": "r", "use_engine": True}}
+    minimal = {"llm_judge": {"rubric": "r", "use_engine": True},
+               "python_reward": {"code": "def score(prompt, completion, reference):\n    return 1.0\n"}}
     for kind in KINDS:
         cfg = normalized_config(kind, minimal.get(kind, {}))
         assert "pass_threshold" in cfg

@@ -6,7 +6,7 @@ from django import forms
 from django.contrib import admin
 
 from webapp.catalog.models import BaseModel, CalibrationCase, CalibrationReport, Task, TaskDomain, Verifier
-from webapp.catalog.services import check_domain
+from webapp.catalog.services import check_domain, check_verifier
 
 
 @admin.register(BaseModel)
@@ -34,8 +34,34 @@ class CalibrationReportInline(admin.TabularInline):
         return False
 
 
+class VerifierAdminForm(forms.ModelForm):
+    """The kind's config validated by the kind (a python_reward's code: compiled, ``score`` defined, dry-run
+    on the stored calibration cases), as the API and the pages do."""
+
+    class Meta:
+        model = Verifier
+        fields = "__all__"
+
+    def clean(self) -> dict[str, Any]:
+        from workers.verifiers.base import VerifierConfigError, build_verifier
+
+        data = super().clean() or {}
+        kind, config = data.get("kind", self.instance.kind), data.get("config") or {}
+        try:
+            build_verifier(kind, config)
+        except VerifierConfigError as exc:
+            self.add_error("config" if "config" in self.fields else None, exc.problems)
+            return data
+        problems = check_verifier(kind, None, self.instance if self.instance.pk else None, config=config)
+        for name, messages in problems.items():
+            for message in messages:
+                self.add_error(name if name in self.fields else None, message)
+        return data
+
+
 @admin.register(Verifier)
 class VerifierAdmin(admin.ModelAdmin):
+    form = VerifierAdminForm
     list_display = ["name", "kind", "calibration_status", "owner", "updated_at"]
     list_filter = ["kind", "calibration_status"]
     search_fields = ["name", "description"]

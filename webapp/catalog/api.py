@@ -132,7 +132,7 @@ class VerifierSerializer(OwnedSerializer):
         config = attrs.get("config", getattr(self.instance, "config", {}))
         if kind:
             check_verifier_config(kind, config or {})
-            problems = check_verifier(kind, attrs.get("calibration_cases"), self.instance)
+            problems = check_verifier(kind, attrs.get("calibration_cases"), self.instance, config=config or {})
             if problems:
                 raise serializers.ValidationError(problems)
         return attrs

@@ -48,6 +48,7 @@ class VerifierKind(models.TextChoices):
     COMMAND = "command"
     F1 = "f1"
     LLM_JUDGE = "llm_judge"
+    PYTHON_REWARD = "python_reward"
 
 
 class CalibrationStatus(models.TextChoices):

@@ -17,7 +17,7 @@ from workers import messages
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ImportFailed", "ImportResult", "check_domain", "do_import_tasks", "do_record_calibration",
+__all__ = ["ImportFailed", "ImportResult", "check_domain", "check_verifier", "do_import_tasks", "do_record_calibration",
            "do_request_calibration", "do_run_calibration"]
 
 do_import_tasks = import_tasks
@@ -51,10 +51,12 @@ def check_domain(*, kind: str, verifier: Verifier | None, prompt_template: str =
     return problems
 
 
-def check_verifier(kind: str, cases: list[dict[str, Any]] | None, verifier: Verifier | None = None) -> dict[str, list[str]]:
+def check_verifier(kind: str, cases: list[dict[str, Any]] | None, verifier: Verifier | None = None,
+                   config: dict[str, Any] | None = None) -> dict[str, list[str]]:
     """Problems of a verifier's kind and calibration cases, by field: a case whose reference is not in the
     shape the kind's domains store (it would calibrate against references no task has), a kind changed
-    under domains it cannot judge."""
+    under domains it cannot judge, and for ``python_reward`` (given its ``config``) the first calibration
+    case the user's code fails on (``reward_dry_run``; ``cases`` None: the verifier's stored ones)."""
     from workers.domains.kinds import ShapeError, attach_problem, domain_kinds_for, parse_reference
 
     problems: dict[str, list[str]] = {}
@@ -70,7 +72,36 @@ def check_verifier(kind: str, cases: list[dict[str, Any]] | None, verifier: Veri
         for domain in verifier.domains.all()[:20]:
             if why := attach_problem(kind, domain.kind):
                 problems.setdefault("kind", []).append(f"attached to domain {domain.name!r}: {why}")
+    if kind == "python_reward" and config is not None and not problems:
+        if cases is None and verifier is not None and verifier.pk:
+            cases = [dict(c) for c in verifier.calibration_cases.values("prompt", "completion", "reference")]
+        if cases and (why := reward_dry_run(config, cases)):
+            problems["config"] = [f"dry run on the calibration cases: {why}"]
     return problems
+
+
+def reward_dry_run(config: dict[str, Any], cases: list[dict[str, Any]]) -> str | None:
+    """The first calibration case a ``python_reward`` verifier's code fails on (an exception with its line,
+    a limit, a non-numeric or out-of-range return), judged now in one sandbox execution; None when it
+    passes them all or the config is invalid (reported as such by the caller).
+
+    Skipped (None) where this process's sandbox has no namespace isolation (an unprivileged web container):
+    the user's code is then first run by calibration, on a sandbox worker.
+    """
+    import sandboxes
+    from workers.verifiers.base import JudgeInput, VerifierConfigError, build_verifier
+    from workers.verifiers.python_reward import PythonRewardVerifier
+
+    try:
+        verifier = build_verifier("python_reward", config)
+    except VerifierConfigError:
+        return None
+    assert isinstance(verifier, PythonRewardVerifier)
+    if sandboxes.probe_tier() == "rlimits-only" and verifier.config.limits.require_isolation:
+        log.warning("python_reward dry run skipped: no isolated sandbox in this process")
+        return None
+    return verifier.dry_run([JudgeInput(str(c.get("prompt", "")), str(c.get("completion", "")), c.get("reference"))
+                             for c in cases])
 
 
 def do_request_calibration(verifier: Verifier, actor: AbstractBaseUser | AnonymousUser | None = None) -> CalibrationReport:

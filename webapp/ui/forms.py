@@ -20,6 +20,7 @@ from webapp.catalog.models import BaseModel, DomainKind, TaskDomain, Verifier, V
 from webapp.runs.models import Engine
 from workers.environments.base import ENVIRONMENTS
 from workers.pipeline.spec import RunSpec
+from workers.verifiers.python_reward import EXAMPLE as REWARD_EXAMPLE
 
 SPEC_PREFIX = "spec__"
 
@@ -156,7 +157,8 @@ class DomainForm(forms.Form):
                                         help_text="share of imported tasks kept out of training for evaluation")
 
     def __init__(self, *args: Any, user: Any, instance: TaskDomain | None = None, **kwargs: Any) -> None:
-        if instance is not None and not args and "initial" not in kwargs:
+        # (an unbound settings form is DomainForm(None, instance=…): it must show the domain's values)
+        if instance is not None and (not args or args[0] is None) and "initial" not in kwargs:
             kwargs["initial"] = {f: getattr(instance, f) for f in self.base_fields}
             kwargs["initial"]["environment_params"] = json.dumps(instance.environment_params)
         super().__init__(*args, **kwargs)
@@ -207,6 +209,14 @@ class UploadForm(forms.Form):
 class VerifierForm(forms.Form):
     name = forms.CharField(max_length=200)
     kind = forms.ChoiceField(choices=VerifierKind.choices)
+    code = forms.CharField(
+        widget=forms.Textarea(attrs={"rows": 8, "class": "mono", "placeholder": REWARD_EXAMPLE, "spellcheck": "false"}),
+        required=False, strip=False, label="reward code (python_reward)",
+        help_text="python_reward only: define score(prompt, completion, reference) -> float | None, as in the "
+                  "example shown. reference is the task's stored reference (an answer task: {\"answer\": \"5\"}); "
+                  "None means invalid (left out of training); a number outside [min_score, max_score] (default "
+                  "[0, 1], set in the configuration) is refused. It runs in the sandbox, once per group, and is "
+                  "dry-run on the calibration cases when saved.")
     config = forms.CharField(widget=forms.Textarea(attrs={"rows": 4}), required=False, initial="{}",
                              help_text="the kind's configuration as JSON")
     description = forms.CharField(widget=forms.Textarea(attrs={"rows": 2}), required=False)
@@ -247,11 +257,28 @@ class VerifierForm(forms.Form):
 
     def clean(self) -> dict[str, Any]:
         from webapp.catalog.services import check_verifier
+        from workers.verifiers.base import VerifierConfigError, build_verifier
 
         data = super().clean() or {}
+        reward = data.get("kind") == VerifierKind.PYTHON_REWARD
+        if reward and "config" in data:
+            if data.get("code", "").strip():  # (a browser sends the textarea's lines ended by \r\n)
+                data["config"] = {**data["config"], "code": data["code"].replace("\r\n", "\n")}
+            try:
+                build_verifier(data["kind"], data["config"])
+            except VerifierConfigError as exc:
+                self.add_error("code" if any(p.startswith("code") for p in exc.problems) else "config",
+                               [p.removeprefix("code: ") for p in exc.problems])
+                return data
+        elif data.get("code", "").strip() and "kind" in data:
+            self.add_error("code", f"only a python_reward verifier takes reward code (this one is {data['kind']})")
         if "kind" in data and "calibration_cases" in data:
-            for message in check_verifier(data["kind"], data["calibration_cases"]).get("calibration_cases", []):
+            problems = check_verifier(data["kind"], data["calibration_cases"],
+                                      config=data.get("config") if reward else None)
+            for message in problems.get("calibration_cases", []):
                 self.add_error("calibration_cases", message)
+            for message in problems.get("config", []):
+                self.add_error("code", message)
         return data
 
     def clean_config(self) -> dict[str, Any]:

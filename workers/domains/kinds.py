@@ -269,35 +269,40 @@ class KindSpec:
 KINDS: dict[str, KindSpec] = {
     "answer": KindSpec(
         "answer", "prompt → short answer (exact match, math, regex)", AnswerReference,
-        ("exact_match", "math", "regex", "f1", "llm_judge"), "{prompt}",
+        ("exact_match", "math", "regex", "f1", "llm_judge", "python_reward"), "{prompt}",
         ({"id": "add-1", "prompt": "2+3=", "answer": "5"},
          {"id": "half", "prompt": "What is 1/2 as a decimal?", "answer": ["0.5", ".5"], "split": "heldout"},
          {"id": "year", "prompt": "Name a year of the 1990s.", "pattern": "199[0-9]"})),
     "code": KindSpec(
-        "code", "prompt → Python code checked by unit tests", CodeReference, ("python_tests",), "{prompt}",
+        "code", "prompt → Python code checked by unit tests", CodeReference,
+        ("python_tests", "python_reward"), "{prompt}",
         ({"id": "square", "prompt": "Write square(x) returning x squared.", "tests": "assert square(3) == 9",
           "entry_point": "square"},
          {"id": "rev", "prompt": "def rev(s):\n    \"\"\"Reverse a string.\"\"\"\n",
           "tests": "assert rev('ab') == 'ba'\nassert rev('') == ''", "entry_point": "rev"})),
     "command": KindSpec(
-        "command", "prompt → files or a shell session checked by a test script", CommandReference, ("command",),
+        "command", "prompt → files or a shell session checked by a test script", CommandReference,
+        ("command", "python_reward"),
         "{prompt}\n\n{files}",
         ({"id": "count", "prompt": "Write the number of lines of input.txt to count.txt.",
           "files": {"input.txt": "a\nb\nc\n"}, "script": "test \"$(cat count.txt)\" = 3"},
          {"id": "hello", "prompt": "Create hello.txt containing hello.", "expected_files": {"hello.txt": "hello"}})),
     "document_qa": KindSpec(
-        "document_qa", "document + question → answer (token F1)", DocumentQAReference, ("f1", "exact_match", "llm_judge"),
+        "document_qa", "document + question → answer (token F1)", DocumentQAReference,
+        ("f1", "exact_match", "llm_judge", "python_reward"),
         "{context}\n\nQuestion: {prompt}\nAnswer:",
         ({"id": "capital", "prompt": "What is the capital of France?",
           "context": "France is a country in Europe. Its capital is Paris.", "answers": ["Paris"]},)),
     "json": KindSpec(
-        "json", "prompt → JSON document (equal, subset or schema)", JsonReference, ("json_match",), "{prompt}",
+        "json", "prompt → JSON document (equal, subset or schema)", JsonReference,
+        ("json_match", "python_reward"), "{prompt}",
         ({"id": "point", "prompt": "The point (1, 2) as JSON with keys x and y.", "expected": {"x": 1, "y": 2}},
          {"id": "person", "prompt": "A person as JSON with a name and a non-negative age.",
           "schema": {"type": "object", "required": ["name", "age"],
                      "properties": {"name": {"type": "string"}, "age": {"type": "integer", "minimum": 0}}}})),
     "open": KindSpec(
-        "open", "prompt → free text (LLM judge with a rubric)", OpenReference, ("llm_judge",), "{prompt}",
+        "open", "prompt → free text (LLM judge with a rubric)", OpenReference,
+        ("llm_judge", "python_reward"), "{prompt}",
         ({"id": "haiku", "prompt": "Write a haiku about the sea.", "rubric": "Three lines of 5, 7 and 5 syllables."},)),
 }
 

@@ -13,8 +13,9 @@ declares a pydantic ``Config``; ``build_verifier`` turns validation errors into 
 with one "field: reason" line per problem.
 
 What this module does NOT do: it does not isolate anything. Kinds that run model-written code
-(``python_tests``, ``command``) delegate isolation to ``sandboxes``; the others run in-process on text and
-rely on size caps and (for regexes) engine timeouts, not on process isolation.
+(``python_tests``, ``command``) or the user's own reward code (``python_reward``) delegate isolation to
+``sandboxes``; the others run in-process on text and rely on size caps and (for regexes) engine
+timeouts, not on process isolation.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import importlib
 import json
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, Literal, Protocol, TypeVar, runtime_checkable
 
@@ -193,6 +194,11 @@ class BaseVerifier(Generic[ConfigT]):
     def _judge(self, inp: JudgeInput) -> Verdict:  # pragma: no cover - abstract
         raise NotImplementedError
 
+    def judge_group(self, inputs: Sequence[JudgeInput]) -> list[Verdict]:
+        """The verdicts of one group's samples, in order. One ``judge`` each here; a kind that can judge
+        them together overrides it (``python_reward``: one sandbox execution per group)."""
+        return [self.judge(inp) for inp in inputs]
+
     def read_reference(self, inp: JudgeInput) -> Reference:
         """The task's reference through its kind's model (``workers.domains.kinds``), the one the importer
         validated it with; a reference that does not fit raises ``InvalidReference`` saying what is wrong."""
@@ -225,6 +231,7 @@ KINDS: dict[str, str] = {
     "python_tests": "workers.verifiers.python_tests:PythonTestsVerifier",
     "command": "workers.verifiers.command:CommandVerifier",
     "llm_judge": "workers.verifiers.llm_judge:LLMJudgeVerifier",
+    "python_reward": "workers.verifiers.python_reward:PythonRewardVerifier",
 }
 
 

@@ -45,6 +45,22 @@ def judge(verifier_row: Any, prompt: str, completion: str, reference: Any, kind:
             (time.monotonic() - started) * 1000)
 
 
+def judge_group(verifier_row: Any, samples: list[tuple[str, str]], reference: Any, kind: str | None = None) -> list[Any]:
+    """The verdicts of one group's (prompt, completion) samples, which share the task's reference: judged
+    together where the kind can (``python_reward``: one sandbox execution for the group), else one by one."""
+    from workers.verifiers.base import JudgeInput, get_verifier, invalid
+
+    if verifier_row is None:
+        return [invalid("the domain has no verifier")] * len(samples)
+    started = time.monotonic()
+    try:
+        return get_verifier(verifier_row.kind, verifier_row.config).judge_group(
+            [JudgeInput(prompt=p, completion=c, reference=reference, kind=kind) for p, c in samples])
+    except Exception as exc:
+        latency = (time.monotonic() - started) * 1000 / max(1, len(samples))
+        return [invalid(f"verifier crashed: {type(exc).__name__}: {exc}").with_latency(latency)] * len(samples)
+
+
 def score_episode(domain: Any, verifier_row: Any, trajectory: Trajectory, task: Any) -> Any:
     """A multi-turn episode's verdict: its environment scores the stored transcript (its task and turns),
     from what the environment holds — the domain's verifier on the final answer, or its own rule."""
@@ -119,8 +135,8 @@ def verify_group(group_id: int, holder: str) -> str:
         # a remote judge spends its time waiting on the network: ask it about every sample at once
         with ThreadPoolExecutor(max_workers=min(len(pending), 16)) as pool:
             results = list(pool.map(lambda t: judge(verifier, t.prompt, t.completion, reference, kind), pending))
-    else:  # in-process and sandboxed verifiers: one at a time (some use signals, main thread only)
-        results = [judge(verifier, t.prompt, t.completion, reference, kind) for t in pending]
+    else:  # in-process and sandboxed verifiers in this thread (some use signals, main thread only)
+        results = judge_group(verifier, [(t.prompt, t.completion) for t in pending], reference, kind)
     with transaction.atomic():
         for t, v in zip(pending, results, strict=True):
             record_verdict(t.pk, status=v.status, score=v.score, reason=v.reason or "",
