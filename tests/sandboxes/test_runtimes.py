@@ -58,13 +58,13 @@ def register(names: list[str], runtime: Runtime) -> Runtime:
 def test_definitions_are_validated_with_the_field_and_the_reason(tmp_path: Path) -> None:
     with pytest.raises(RuntimeDefinitionError, match=r"packages: 'numpy' must be an exact pin"):
         Runtime(name="loose", packages=("numpy",))
-    with pytest.raises(RuntimeDefinitionError, match="python: '3' must be a major.minor"):
+    with pytest.raises(RuntimeDefinitionError, match=r"python: '3' must be a major\.minor"):
         Runtime(name="odd", python="3")
     bad = tmp_path / "typo.toml"
     bad.write_text('packages = ["numpy==2.4.6"]\npreloads = ["numpy"]\n')
     with pytest.raises(RuntimeDefinitionError, match=r"unknown field\(s\) \['preloads'\]"):
         runtimes.load_definition(bad)
-    with pytest.raises(RuntimeDefinitionError, match="unknown sandbox runtime 'nope'; defined: .*numpy.*python"):
+    with pytest.raises(RuntimeDefinitionError, match=r"unknown sandbox runtime 'nope'; defined: .*numpy.*python"):
         runtimes.get("nope")
 
 
