@@ -164,7 +164,9 @@ def verifier_detail(request: HttpRequest, verifier_id: int) -> HttpResponse:
     example = "\n".join(json.dumps({"prompt": c.prompt, "completion": c.completion, "reference": c.reference})
                         for c in cases[:3])
     return render(request, "ui/verifier.html", {
-        "verifier": verifier, "config_json": json.dumps(verifier.config, indent=2, sort_keys=True),
+        "verifier": verifier, "reward_code": (verifier.config or {}).get("code") if verifier.kind == "python_reward" else None,
+        "config_json": json.dumps({k: v for k, v in (verifier.config or {}).items()
+                                   if not (k == "code" and verifier.kind == "python_reward")}, indent=2, sort_keys=True),
         "cases": cases, "reports": reports, "latest": latest, "dry_run_example": example,
         "summary": (latest.summary if latest else {}) or {},
         "domains": verifier.domains.all()[:50],
