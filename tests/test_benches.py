@@ -19,6 +19,14 @@ def test_the_verifier_benchmark_judges_every_simple_kind():
     assert all(r.n > 0 for r in rows)  # each judged its inputs, none with an unexpected invalid verdict
 
 
+def test_the_verifier_benchmark_runs_python_reward_and_ends_with_its_result_line():
+    out = subprocess.run([sys.executable, "bench/verifiers.py", "--only", "python_reward", "--reward-groups", "3",
+                          "--group-size", "2"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    last = out.stdout.strip().splitlines()[-1]
+    assert last.startswith("result: python_reward_per_s=") and "group_size=2" in last, last
+
+
 def test_the_sessions_benchmark_runs_and_ends_with_its_result_line():
     out = subprocess.run([sys.executable, "bench/sessions.py", "--episodes", "2", "--steps", "3"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
