@@ -168,3 +168,19 @@ def test_garbage_collection_keeps_named_images_and_removes_unused_ones(own_root:
     removed = runtimes.collect_garbage(min_age_seconds=3600, now=time.time() + 7200)
     assert removed == [orphan] and kept_image.path.is_dir() and not orphan.exists()
     assert gone.key() == kept.key()  # (an empty runtime of any name is the same image: still named by "kept")
+
+
+def test_a_session_runs_in_its_runtime(numpy_image: runtimes.Image) -> None:
+    from sandboxes.session import SessionPool, SessionSpec
+
+    with SessionPool() as sessions:
+        with sessions.session(SessionSpec(runtime="numpy", setup="import numpy as np")) as session:
+            assert session.run("a = np.arange(4)").status == "ok"
+            assert session.run("print(int(a.sum()))").stdout == "6\n"
+        with sessions.session(SessionSpec()) as plain:
+            assert "ModuleNotFoundError" in (plain.run("import numpy").error or "")
+        assert set(sessions.zygotes) == {"python", "numpy"}
+    from workers.environments.python_tool import PythonTool
+
+    with pytest.raises(ValueError, match="unknown sandbox runtime 'numpi'"):
+        PythonTool.Params(runtime="numpi")
