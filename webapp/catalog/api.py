@@ -1,4 +1,4 @@
-"""REST resources of the catalog: base models, domains (with tasks and JSONL import), verifiers."""
+"""REST resources of the catalog: base models, domains (with tasks and JSONL import), verifiers, domain packs."""
 
 from __future__ import annotations
 
@@ -16,8 +16,10 @@ from rest_framework.pagination import CursorPagination
 from rest_framework.parsers import BaseParser, FormParser, JSONParser, MultiPartParser
 from rest_framework.request import Request
 from rest_framework.response import Response
+from rest_framework.viewsets import ViewSet
 
 from webapp.api import OwnedViewSet, router
+from webapp.catalog import generated, packs
 from webapp.catalog.models import BaseModel, CalibrationCase, CalibrationReport, Task, TaskDomain, Verifier
 from webapp.catalog.services import (
     ImportFailed,
@@ -167,8 +169,8 @@ class TaskDomainSerializer(OwnedSerializer):
         model = TaskDomain
         fields = ["id", "name", "kind", "description", "verifier", "prompt_template", "system_prompt",
                   "environment", "environment_params", "sandbox_limits", "sampling_defaults", "heldout_fraction", "task_count", "heldout_count",
-                  "created_at", "updated_at"]
-        read_only_fields = ["task_count", "heldout_count"]
+                  "generator", "generator_params", "generator_seed", "pack", "tags", "created_at", "updated_at"]
+        read_only_fields = ["task_count", "heldout_count", "generator", "generator_seed", "pack"]
 
     def get_fields(self) -> dict[str, Any]:
         fields = super().get_fields()
@@ -192,6 +194,14 @@ class TaskDomainSerializer(OwnedSerializer):
             environment=attrs.get("environment", getattr(current, "environment", "single_turn")),
             environment_params=attrs.get("environment_params", getattr(current, "environment_params", {})),
             domain=current)
+        if "generator_params" in attrs:  # a generator domain's parameters, checked by its generator
+            if current is None or not current.generator:
+                problems["generator_params"] = ["only a generator domain has generator parameters (create one "
+                                                "through /api/v1/domain-packs/)"]
+            else:
+                model, more = generated.check_generator_domain(current.generator, attrs["generator_params"])
+                problems.update(more)
+                attrs["generator_params"] = model.model_dump(mode="json")
         if problems:
             raise serializers.ValidationError(problems)
         return attrs
@@ -331,6 +341,48 @@ class TaskDomainViewSet(OwnedViewSet):
         return Response({**result.to_dict(), "task_count": domain.task_count}, status=status.HTTP_201_CREATED)
 
 
+class PackItemSerializer(serializers.Serializer):
+    generator = serializers.CharField(help_text="demo.addition, demo.multiplication, demo.product, rg.<dataset>")
+    params = serializers.DictField(required=False, default=dict, help_text="The generator's parameters")
+    name = serializers.CharField(required=False, default="", help_text="The domain's name within the pack")
+
+
+class PackRequestSerializer(serializers.Serializer):
+    pack = serializers.CharField(help_text="A built-in pack (demo, reasoning-gym), or the name of your own with items")
+    items = PackItemSerializer(many=True, required=False, help_text="Your own domains (default: the built-in pack's)")
+    prefix = serializers.CharField(required=False, help_text="Domain names are <prefix>/<name> (default: the pack)")
+    seed = serializers.IntegerField(required=False, default=0)
+    heldout_size = serializers.IntegerField(required=False, default=generated.HELDOUT_SIZE, min_value=1,
+                                            max_value=10_000)
+    tags = serializers.ListField(child=serializers.CharField(), required=False, default=list)
+
+
+class DomainPackViewSet(ViewSet):
+    """Domain packs: many generator domains in one action, each with its verifier calibrated automatically."""
+
+    @extend_schema(responses={200: OpenApiTypes.OBJECT})
+    def list(self, request: Request) -> Response:
+        """The built-in packs, and the generators there are."""
+        from workers.domains import generators, reasoning_gym
+
+        return Response({"packs": [{"name": n, "description": d} for n, (d, _) in packs.PACKS.items()],
+                         "generators": [*generators.BUILTIN, *(f"rg.{n}" for n in reasoning_gym.dataset_names())],
+                         "reasoning_gym": reasoning_gym.available()})
+
+    @extend_schema(request=PackRequestSerializer, responses={201: OpenApiTypes.OBJECT})
+    def create(self, request: Request) -> Response:
+        """Create a pack's domains now; ``failed`` names each one left out with the reason."""
+        body = PackRequestSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        data = body.validated_data
+        items = [packs.PackItem(i["generator"], dict(i.get("params") or {}), i.get("name", ""))
+                 for i in data["items"]] if data.get("items") else None
+        result = packs.do_create_pack(request.user, data["pack"], items, prefix=data.get("prefix"), seed=data["seed"],
+                                      heldout_size=data["heldout_size"], tags=data["tags"])
+        return Response(result.to_dict(), status=status.HTTP_201_CREATED)
+
+
 router.register("base-models", BaseModelViewSet)
 router.register("domains", TaskDomainViewSet)
 router.register("verifiers", VerifierViewSet)
+router.register("domain-packs", DomainPackViewSet, basename="domain-packs")

@@ -48,6 +48,7 @@ class VerifierKind(models.TextChoices):
     COMMAND = "command"
     F1 = "f1"
     LLM_JUDGE = "llm_judge"
+    GENERATOR = "generator"
     PYTHON_REWARD = "python_reward"
 
 
@@ -138,6 +139,7 @@ class DomainKind(models.TextChoices):
     DOCUMENT_QA = "document_qa", KINDS["document_qa"].label
     JSON = "json", KINDS["json"].label
     OPEN = "open", KINDS["open"].label
+    GENERATED = "generated", KINDS["generated"].label
 
 
 class TaskDomain(OwnedModel):
@@ -169,6 +171,18 @@ class TaskDomain(OwnedModel):
     # Kept up to date by the import service so lists never COUNT(*) a large task table.
     task_count = models.PositiveIntegerField(default=0)
     heldout_count = models.PositiveIntegerField(default=0)
+    # A generator domain makes its tasks instead of importing them (webapp/catalog/generated.py): a fixed
+    # held-out set when it is created, the train stream in batches as runs admit it.
+    generator = models.CharField(max_length=100, blank=True,
+                                 help_text="The seeded generator making this domain's tasks (demo.addition, "
+                                           "rg.<dataset>); empty: tasks are imported")
+    generator_params = models.JSONField(default=dict, blank=True,
+                                        help_text="The generator's parameters (validated by it; difficulty among "
+                                                  "them): new train tasks use them, the held-out set stays")
+    generator_seed = models.BigIntegerField(default=0)
+    generator_next = models.BigIntegerField(default=0, help_text="The next index of the train stream to make")
+    pack = models.CharField(max_length=200, blank=True, db_index=True, help_text="The pack that created it")
+    tags = models.JSONField(default=list, blank=True)
 
     class Meta:
         constraints = [models.UniqueConstraint(fields=["owner", "name"], name="domain_owner_name_unique")]

@@ -126,6 +126,21 @@ class RunViewSet(mixins.CreateModelMixin, mixins.RetrieveModelMixin, mixins.List
             qs = qs.filter(id__gt=int(after)) if after.isdigit() else qs
         return Response(RunEventSerializer(qs[:1000], many=True).data)
 
+    @extend_schema(parameters=[OpenApiParameter("metric", str, enum=["reward", "pass_rate", "heldout_reward"]),
+                               OpenApiParameter("columns", int, description="Buckets of steps (default 60)")],
+                   responses={200: OpenApiTypes.OBJECT})
+    @action(detail=True, methods=["get"], pagination_class=None, filterset_fields=[])
+    def heatmap(self, request: Request, pk: str | None = None) -> Response:
+        """Domains x steps of one per-domain metric, averaged per bucket of steps, with each domain's gain and
+        the most-improved and most-regressed domains named."""
+        from webapp.runs.heatmap import METRICS, heatmap
+
+        metric = request.query_params.get("metric", "reward")
+        if metric not in METRICS:
+            raise ValidationFailed(f"metric must be one of {', '.join(METRICS)}", details={"metric": ["unknown"]})
+        columns = request.query_params.get("columns", "60")
+        return Response(heatmap(self.get_object(), metric, max(2, min(400, int(columns) if columns.isdigit() else 60))))
+
     def perform_destroy(self, instance: Run) -> None:
         if instance.status in ("queued", "running", "pausing"):
             raise ValidationFailed(f"run {instance.pk} is {instance.status}: cancel it before deleting it")
@@ -350,6 +365,7 @@ class MetricsQuery(serializers.Serializer):
     run = serializers.IntegerField()
     name = serializers.ListField(child=serializers.CharField(), required=False)
     domain = serializers.IntegerField(required=False)
+    overall = serializers.BooleanField(required=False, default=False)
     since_seq = serializers.IntegerField(required=False, min_value=0)
     max_points = serializers.IntegerField(required=False, min_value=2, max_value=100_000)
     step_min = serializers.IntegerField(required=False)
@@ -364,6 +380,7 @@ class MetricsViewSet(viewsets.ViewSet):
             OpenApiParameter("run", int, required=True),
             OpenApiParameter("name", str, many=True),
             OpenApiParameter("domain", int),
+            OpenApiParameter("overall", bool, description="Only the run-wide series (no per-domain ones)"),
             OpenApiParameter("since_seq", int, description="Only points with a larger sequence number (backfill)"),
             OpenApiParameter("max_points", int, description="Downsample each series to about this many points"),
             OpenApiParameter("step_min", int, description="Only steps ≥ this (a zoomed chart's window)"),
@@ -376,7 +393,8 @@ class MetricsViewSet(viewsets.ViewSet):
     )
     def list(self, request: Request) -> Response:
         params = request.query_params
-        query = MetricsQuery(data={**{k: params.get(k) for k in ("run", "domain", "since_seq", "max_points", "step_min", "step_max")
+        query = MetricsQuery(data={**{k: params.get(k) for k in ("run", "domain", "overall", "since_seq", "max_points", "step_min",
+                                                          "step_max")
                                       if params.get(k) not in (None, "")},
                                    "name": params.getlist("name")})
         query.is_valid(raise_exception=True)
@@ -385,7 +403,7 @@ class MetricsViewSet(viewsets.ViewSet):
         if not runs.filter(pk=q["run"]).exists():
             return Response({"detail": "No such run."}, status=status.HTTP_404_NOT_FOUND)
         return Response(metric_store.series(q["run"], names=q.get("name") or None, domain_id=q.get("domain"),
-                                            since_seq=q.get("since_seq"), max_points=q.get("max_points"),
+                                            overall=q.get("overall", False), since_seq=q.get("since_seq"), max_points=q.get("max_points"),
                                             step_min=q.get("step_min"), step_max=q.get("step_max")))
 
 

@@ -97,7 +97,7 @@ def rebuild_rollups(run_id: int) -> None:
 
 
 def series(
-    run_id: int, *, names: Sequence[str] | None = None, domain_id: int | None = None,
+    run_id: int, *, names: Sequence[str] | None = None, domain_id: int | None = None, overall: bool = False,
     since_seq: int | None = None, max_points: int | None = None,
     step_min: int | None = None, step_max: int | None = None,
 ) -> dict[str, Any]:
@@ -107,9 +107,12 @@ def series(
     ``max_points`` a longer series is reduced in the database to about that many points: per bucket of
     steps its min (drawn at the bucket's first step) and its max (at its last step); such a series
     carries ``"downsampled": true``. ``step_min``/``step_max`` bound the steps (inclusive): a zoomed chart
-    asks for its window again and gets finer points.
+    asks for its window again and gets finer points. ``overall`` leaves the per-domain series out (a run
+    with a hundred domains draws those as a heatmap, ``webapp.runs.heatmap``).
     """
     qs = MetricPoint.objects.filter(run_id=run_id)
+    if overall:
+        qs = qs.filter(domain__isnull=True)
     if step_min is not None:
         qs = qs.filter(step__gte=step_min)
     if step_max is not None:
@@ -130,6 +133,8 @@ def series(
 
     result = []
     for (name, dom), (n, lo, hi) in _series_stats(run_id, qs, names, domain_id, step_min, step_max).items():
+        if overall and dom is not None:
+            continue
         one = qs.filter(name=name).filter(Q(domain_id=dom) if dom else Q(domain__isnull=True))
         if max_points is None or n <= max_points:
             points = [list(p) for p in one.order_by("step", "seq").values_list("step", "value", "seq")]

@@ -56,8 +56,13 @@ def domain_detail(request: HttpRequest, domain_id: int) -> HttpResponse:
     """A domain: its settings (editable), what the model sees (a preview of the prompt template on real
     tasks), its newest tasks, and a JSONL upload that lists every bad row when it refuses a file."""
     domain = get_object_or_404(TaskDomain.objects.visible_to(request.user).select_related("verifier"), pk=domain_id)
-    editing = request.method == "POST" and "settings" in request.POST  # else a POST is an upload
-    upload = UploadForm(request.POST or None, request.FILES or None) if not editing else UploadForm()
+    generator_errors = (_save_generator_params(request, domain)
+                        if request.method == "POST" and "generator_params" in request.POST else None)
+    if generator_errors == []:
+        return redirect("domain", domain_id=domain.pk)
+    editing = request.method == "POST" and "settings" in request.POST
+    uploading = request.method == "POST" and not editing and generator_errors is None  # else a POST is an upload
+    upload = UploadForm(request.POST, request.FILES or None) if uploading else UploadForm()
     settings_form = DomainForm(request.POST if editing else None, user=request.user, instance=domain)
     import_errors: dict[str, Any] | None = None
     if editing and settings_form.is_valid():
@@ -67,7 +72,7 @@ def domain_detail(request: HttpRequest, domain_id: int) -> HttpResponse:
         domain.save(update_fields=[*data, "updated_at"])
         messages.success(request, "Domain settings saved.")
         return redirect("domain", domain_id=domain.pk)
-    if request.method == "POST" and not editing and upload.is_valid():
+    if uploading and upload.is_valid():
         try:
             result = catalog_services.do_import_tasks(domain, upload.cleaned_data["file"])
         except ImportFailed as exc:
@@ -101,7 +106,73 @@ def domain_detail(request: HttpRequest, domain_id: int) -> HttpResponse:
         "default_template": spec.default_template, "previews": previews,
         "verifier_kinds": spec.verifiers, "runtimes": domain_runtimes(domain),
         "runs": Run.objects.visible_to(request.user).filter(domains=domain).order_by("-id")[:20],
+        "generator": _generator_view(domain, request.POST.get("generator_params") if generator_errors else None,
+                                     generator_errors or []),
     })
+
+
+def _generator_view(domain: TaskDomain, text: str | None, errors: list[str]) -> dict[str, Any] | None:
+    """A generator domain's parameters as the page shows them: the values, what each means, the errors."""
+    if not domain.generator:
+        return None
+    from workers.domains.generators import GeneratorError, params_schema
+
+    try:
+        schema = params_schema(domain.generator)
+    except GeneratorError as exc:  # e.g. the reasoning-gym extra is not installed in this process
+        schema = {"properties": {}}
+        errors = [*errors, str(exc)]
+    fields = [{"name": name, "value": domain.generator_params.get(name), "default": spec.get("default"),
+               "help": spec.get("description", "")} for name, spec in schema.get("properties", {}).items()]
+    return {"name": domain.generator, "seed": domain.generator_seed, "next": domain.generator_next,
+            "fields": fields, "errors": errors,
+            "json": text if text is not None else json.dumps(domain.generator_params, indent=1, sort_keys=True)}
+
+
+def _save_generator_params(request: HttpRequest, domain: TaskDomain) -> list[str]:
+    """Check and store a generator domain's parameters; the problems, or [] when they were saved."""
+    from webapp.catalog.generated import check_generator_domain
+
+    if not domain.generator:
+        return ["this domain has no generator"]
+    try:
+        value = json.loads(request.POST.get("generator_params") or "{}")
+    except json.JSONDecodeError as exc:
+        return [f"not JSON: {exc.msg} at column {exc.colno}"]
+    model, problems = check_generator_domain(domain.generator, value if isinstance(value, dict) else None)
+    if problems:
+        return [m for ms in problems.values() for m in ms]
+    domain.generator_params = model.model_dump(mode="json")
+    domain.save(update_fields=["generator_params", "updated_at"])
+    messages.success(request, "Generator parameters saved: new train tasks use them; the held-out set stays.")
+    return []
+
+
+def domain_packs(request: HttpRequest) -> HttpResponse:
+    """Create a pack of generator domains (a built-in one, or a list of generators), each calibrated."""
+    from webapp.catalog.packs import PACKS, PackItem, do_create_pack
+    from workers.domains import reasoning_gym
+
+    result, error = None, ""
+    if request.method == "POST":
+        pack = request.POST.get("pack", "")
+        lines = [line.strip() for line in request.POST.get("generators", "").splitlines() if line.strip()]
+        try:
+            heldout = int(request.POST.get("heldout_size") or 100)
+            items = None
+            if lines:
+                items = [PackItem(line.split()[0], json.loads(line.split(None, 1)[1]) if " " in line else {})
+                         for line in lines]
+            result = do_create_pack(_owner(request), pack, items, prefix=request.POST.get("prefix") or None,
+                                    heldout_size=heldout, seed=int(request.POST.get("seed") or 0),
+                                    tags=[t for t in request.POST.get("tags", "").replace(",", " ").split() if t])
+        except TemperError as exc:
+            error = exc.message
+        except (ValueError, TypeError) as exc:
+            error = f"the form is invalid: {exc}"
+    return render(request, "ui/domain_packs.html", {
+        "packs": [(n, d) for n, (d, _) in PACKS.items()], "result": result, "error": error,
+        "reasoning_gym": reasoning_gym.available(), "posted": request.POST})
 
 
 def example_tasks(request: HttpRequest, name: str) -> HttpResponse:

@@ -17,6 +17,7 @@ urlpatterns = [
     path("base-models/<int:base_model_id>/rollback/", views.alias_rollback, name="alias-rollback"),
     path("domains/", catalog_views.domains_list, name="domains"),
     path("domains/new/", catalog_views.domain_new, name="domain-new"),
+    path("domains/packs/", catalog_views.domain_packs, name="domain-packs"),
     path("domains/<int:domain_id>/", catalog_views.domain_detail, name="domain"),
     path("examples/<str:name>.jsonl", catalog_views.example_tasks, name="example-tasks"),
     path("verifiers/", catalog_views.verifiers_list, name="verifiers"),

@@ -45,6 +45,10 @@ from workers.environments.base import STOP_REASONS
 RUNS_PER_PAGE = 50
 TRAJECTORIES_PER_PAGE = 50
 VERSIONS_PER_PAGE = 20
+MAX_DOMAIN_LINES = 12
+DOMAINS_PER_PAGE = 50
+DOMAIN_SORTS = {"domain": ("domain", False), "score": ("score", True), "pass_rate": ("pass_rate", True),
+                "delta": ("delta", True), "-delta": ("delta", False)}
 CONTROLS = (("start", "Start"), ("pause", "Pause"), ("resume", "Resume"), ("cancel", "Cancel"))
 SORTS = {"newest": "-id", "oldest": "id", "name": "name", "step": "-step", "status": "status"}
 
@@ -138,7 +142,10 @@ def run_new(request: HttpRequest) -> HttpResponse:
                 return redirect("run", run_id=run.pk)
     rows = [{"domain": d, "checked": d.pk in chosen, "weight": chosen.get(d.pk, {}).get("weight", "1"),
              "priority": chosen.get(d.pk, {}).get("priority", "0")} for d in domains]
-    return render(request, "ui/run_new.html", {"form": form, "rows": rows, "domain_error": domain_error})
+    packs = sorted({d.pack for d in domains if d.pack})
+    tags = sorted({t for d in domains for t in (d.tags or []) if isinstance(t, str)})
+    return render(request, "ui/run_new.html", {"form": form, "rows": rows, "domain_error": domain_error,
+                                               "packs": packs, "tags": tags})
 
 
 def _domain_weights(domains: list[TaskDomain], chosen: dict[int, dict[str, str]]) -> list[services.DomainWeight]:
@@ -179,6 +186,8 @@ def run_detail(request: HttpRequest, run_id: int) -> HttpResponse:
         "allowed": {action: sorted(services.TRANSITIONS[action][0]) for action, _ in CONTROLS},
         "charts": [c for c in CHARTS if (episodic or not c.get("episodes")) and (sandboxed or not c.get("sandbox"))],
         "domains": {str(rd.domain_id): rd.domain.name for rd in run_domains},
+        # more domains than a line chart has colours: per-domain series are drawn as the heatmap's rows
+        "manyDomains": len(run_domains) > MAX_DOMAIN_LINES,
         "names": names,
         "apiRun": f"/api/v1/runs/{run.pk}/",
     }
@@ -387,6 +396,16 @@ def version_detail(request: HttpRequest, version_id: int) -> HttpResponse:
     gate = {alias: check_gate(version, alias, services.current_alias(version.run.base_model, alias), config)
             for alias in config.aliases}
     evaluations = list(version.evaluations.select_related("domain").order_by("domain__name", "suite"))
+    # hundreds of domains: both per-domain tables sort (by name, score or change) and page
+    sort = request.GET.get("sort", "domain")
+    sort = sort if sort in DOMAIN_SORTS else "domain"
+    key, reverse = DOMAIN_SORTS[sort]
+    eval_rows = _sorted(evaluations, lambda e: e.domain.name if key == "domain" else
+                        getattr(e, "score" if key == "delta" else key), reverse)
+    cmp_rows = _sorted(comparison.domains, lambda d: getattr(d, key, d.score), reverse)
+    page_number = request.GET.get("page")
+    eval_page = Paginator(eval_rows, DOMAINS_PER_PAGE).get_page(page_number)
+    cmp_page = Paginator(cmp_rows, DOMAINS_PER_PAGE).get_page(page_number)
     chart = {"domains": [d.domain for d in comparison.domains],
              "score": [d.score for d in comparison.domains], "baseline": [d.baseline for d in comparison.domains],
              "delta": [d.delta for d in comparison.domains],
@@ -403,7 +422,15 @@ def version_detail(request: HttpRequest, version_id: int) -> HttpResponse:
         "siblings": visible.filter(run=version.run).order_by("-number")[:200],
         "exports": {fmt: export_status(version, fmt) for fmt in FORMATS}, "chart": chart,
         "pending": any(e.status in ("pending", "running") for e in evaluations),
+        "eval_page": eval_page, "cmp_page": cmp_page, "sort": sort, "sorts": list(DOMAIN_SORTS),
+        "pages": max(eval_page.paginator.num_pages, cmp_page.paginator.num_pages),
     })
+
+
+def _sorted(rows: list[Any], key: Any, reverse: bool) -> list[Any]:
+    """``rows`` sorted by ``key``, the rows without a value last whichever way the table sorts."""
+    known = [r for r in rows if key(r) is not None]
+    return sorted(known, key=key, reverse=reverse) + [r for r in rows if key(r) is None]
 
 
 @require_POST

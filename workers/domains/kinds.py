@@ -39,7 +39,7 @@ from pydantic import (
     model_validator,
 )
 
-KindName = Literal["answer", "code", "command", "document_qa", "json", "open"]
+KindName = Literal["answer", "code", "command", "document_qa", "json", "open", "generated"]
 COMMON_FIELDS = ("id", "prompt", "split", "metadata")
 
 
@@ -255,6 +255,25 @@ class OpenReference(Reference):
         return [self.answer]
 
 
+class GeneratedReference(Reference):
+    """A task made by a generator domain (``workers.domains.generators``): the generator's answer and what
+    its own score reads besides it. Written by the generator, never by a person (though it imports)."""
+
+    shorthand = None
+
+    generator: str = Field(min_length=1, description="The generator that made the task (demo.addition, rg.<dataset>)")
+    answer: str = Field(description="The generator's answer")
+    entry: dict[str, Any] = Field(default_factory=dict, description="What the generator's score reads besides the answer")
+
+    @field_validator("answer", mode="before")
+    @classmethod
+    def _coerce(cls, value: Any) -> Any:
+        return _strings(value)
+
+    def answers(self) -> list[str]:
+        return [self.answer]
+
+
 @dataclass(frozen=True)
 class KindSpec:
     name: KindName
@@ -304,6 +323,11 @@ KINDS: dict[str, KindSpec] = {
         "open", "prompt → free text (LLM judge with a rubric)", OpenReference,
         ("llm_judge", "python_reward"), "{prompt}",
         ({"id": "haiku", "prompt": "Write a haiku about the sea.", "rubric": "Three lines of 5, 7 and 5 syllables."},)),
+    "generated": KindSpec(
+        "generated", "made by a seeded generator, scored by the generator's own score", GeneratedReference,
+        ("generator", "exact_match", "math"), "{prompt}",
+        ({"id": "train-0", "prompt": "37+48=", "generator": "demo.addition", "answer": "85",
+          "entry": {"a": 37, "b": 48, "difficulty": 2}},)),
 }
 
 

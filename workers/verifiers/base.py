@@ -231,6 +231,7 @@ KINDS: dict[str, str] = {
     "python_tests": "workers.verifiers.python_tests:PythonTestsVerifier",
     "command": "workers.verifiers.command:CommandVerifier",
     "llm_judge": "workers.verifiers.llm_judge:LLMJudgeVerifier",
+    "generator": "workers.verifiers.generator:GeneratorVerifier",
     "python_reward": "workers.verifiers.python_reward:PythonRewardVerifier",
 }
 

@@ -1,24 +1,30 @@
 """Admission, the database half: turning the scheduler's "admit n of domain d" into prompt groups.
 
 New prompts are read through a per-domain keyset cursor in ``Run.state["cursor"]`` (the next train tasks
-after the last admitted one, wrapping into the next epoch). Retries come first: each is a new group for the
-prompt of an earlier group that got an invalid verdict. Called under the caller's lock on the run.
+after the last admitted one, wrapping into the next epoch). A generator domain's train stream is endless:
+when the cursor nears the end of the tasks made so far, the next batch is made first
+(``catalog.generated.extend_train``), so its tasks are never repeated. Retries come first: each is a new
+group for the prompt of an earlier group that got an invalid verdict. Called under the caller's lock on the run.
 """
 
 from __future__ import annotations
 
 import uuid
 
-from webapp.catalog.models import Task
+from webapp.catalog.generated import TRAIN_BATCH, extend_train
+from webapp.catalog.models import Task, TaskDomain
 from webapp.runs.models import PromptGroup, Run
 
 
-def next_tasks(run: Run, domain_id: int, n: int) -> list[Task]:
-    """The next ``n`` train tasks of a domain after the run's data cursor, wrapping around (epochs)."""
+def next_tasks(run: Run, domain_id: int, n: int, *, generated: bool = False) -> list[Task]:
+    """The next ``n`` train tasks of a domain after the run's data cursor, wrapping around (epochs); a
+    generator domain makes more instead of wrapping (it wraps only if its generator stops making new ones)."""
     cursor: dict[str, int] = run.state.setdefault("cursor", {})
     after = cursor.get(str(domain_id), 0)
     base = Task.objects.filter(domain_id=domain_id, split=Task.Split.TRAIN).order_by("id")
     tasks = list(base.filter(id__gt=after)[:n])
+    if generated and len(tasks) < n and extend_train(domain_id, max(TRAIN_BATCH, 2 * n)):
+        tasks = list(base.filter(id__gt=after)[:n])
     if len(tasks) < n:
         tasks += list(base[: n - len(tasks)])  # next epoch
     if tasks:
@@ -36,8 +42,9 @@ def admit(run: Run, admit: dict[int, int], retry: dict[int, int]) -> list[int]:
                                admitted_version=run.latest_version, retries=g.retries + 1, retry_of=g)
                    for g in earlier]
     exhausted = set(run.state.get("exhausted", []))
+    generators = set(TaskDomain.objects.filter(pk__in=list(admit)).exclude(generator="").values_list("pk", flat=True))
     for domain_id, n in admit.items():
-        tasks = next_tasks(run, domain_id, n)
+        tasks = next_tasks(run, domain_id, n, generated=domain_id in generators)
         if not tasks:
             exhausted.add(domain_id)
         groups += [PromptGroup(run=run, key=uuid.uuid4().hex, task=task, domain_id=domain_id,

@@ -6,6 +6,7 @@
  *   backfills over ?since_seq= so nothing is lost and nothing is drawn twice.
  * - Redraws are batched (at most ~4 a second) and keep zoom, pan and legend selection (uirevision).
  * - Smoothing is a debiased exponential moving average, applied at draw time; raw points are kept.
+ * - With many domains (opts.overall) a chart draws only the run-wide series; heatmap.js draws the domains.
  */
 (function (global) {
   "use strict";
@@ -90,6 +91,7 @@
       if (!names.length) { this.loadedSeq = Math.max(this.loadedSeq, 0); return; }
       this.loading = [];
       const extra = {max_points: MAX_POINTS};
+      if (this.opts.overall) extra.overall = "true";  // many domains: per-domain series go to the heatmap
       if (range) { extra.step_min = Math.floor(range[0]); extra.step_max = Math.ceil(range[1]); }
       let data;
       try {
@@ -124,6 +126,7 @@
 
     /** A live point [name, domain, step, value, seq]. */
     add(p) {
+      if (this.opts.overall && p[1] !== null && p[1] !== undefined) return;
       if (this.loading) { this.loading.push(p); return; }
       if (p[4] <= this.loadedSeq) return;
       const s = this.ensure(p[0], p[1]);

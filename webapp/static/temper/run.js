@@ -18,15 +18,28 @@
   const label = (name, domain) =>
     domain === null || domain === undefined ? name : name + " · " + (cfg.domains[String(domain)] || "domain " + domain);
   const opts = {
-    runId: runId, names: cfg.names, label: label, isOther: isOther,
+    runId: runId, names: cfg.names, label: label, isOther: isOther, overall: cfg.manyDomains,
     smoothing: () => Number(smoothingInput.value), paused: () => pauseLive.checked,
     onDrawn: (chart, seq) => { window.temperDrawn.push({chart: chart.def.id, seq: seq, t: Date.now()}); },
   };
   const charts = cfg.charts.map(def => new Chart(document.getElementById("chart-" + def.id), def, opts));
   window.temperCharts = charts;
 
+  const heatmapEl = document.getElementById("heatmap");
+  const heatmap = heatmapEl ? new window.TemperHeatmap(heatmapEl, {
+    api: cfg.apiRun + "heatmap/", metric: document.getElementById("heatmap-metric"),
+    sort: document.getElementById("heatmap-sort"), named: document.getElementById("heatmap-named"),
+    paused: () => pauseLive.checked,
+    onDrawn: () => { window.temperDrawn.push({chart: "heatmap", seq: 0, t: Date.now()}); },
+  }) : null;
+  window.temperHeatmap = heatmap;
+  if (heatmap) heatmap.load().catch(err => { document.getElementById("chart-note").textContent = "heatmap: " + err.message; });
+
   const stream = new LiveStream(runId, {
-    points: points => { for (const p of points) for (const c of charts) if (c.matches(p[0])) c.add(p); },
+    points: points => {
+      for (const p of points) for (const c of charts) if (c.matches(p[0])) c.add(p);
+      if (heatmap && points.some(p => p[0] === heatmap.metric() && p[1] !== null)) heatmap.schedule();
+    },
     message: onMessage,
     state: text => { live.textContent = (text === "live" ? "● " : "○ ") + text; live.className = "live " + text; },
   });
