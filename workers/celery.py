@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 
 from celery import Celery, Task
+from celery.signals import worker_init
 from django.db.utils import InterfaceError, OperationalError
 from kombu import Exchange, Queue
 
@@ -60,3 +61,20 @@ app.conf.update(
     imports=["workers.tasks.health", "workers.tasks.control", "workers.tasks.rollout", "workers.tasks.train",
              "workers.tasks.verify", "workers.tasks.export", "workers.tasks.failures"],
 )
+
+
+
+@worker_init.connect(weak=False)
+def _no_query_log(**_: object) -> None:
+    """A worker serves no request, so ``DEBUG``'s one effect there is that Django logs every query: on SQLite
+    with an extra ``SELECT QUOTE(?)…`` per statement to render its parameters, the cost of a step's bulk
+    writes twice over (``bench/demo.py``), and Celery warns of the memory it holds. Pages keep ``DEBUG``."""
+    from django.conf import settings
+
+    settings.DEBUG = False
+
+
+# Where each task's time goes, when TEMPER_PROFILE names a directory (bench/demo.py): a no-op otherwise.
+from workers import profiling  # noqa: E402
+
+profiling.install()

@@ -15,6 +15,7 @@ import logging
 from collections.abc import Iterable
 from typing import Any
 
+from workers import profiling
 from workers.celery import app
 
 log = logging.getLogger(__name__)
@@ -59,7 +60,8 @@ def eval_key(version: int, samples: int, task_id: int) -> str:
 def _send(name: str, args: tuple[Any, ...], **options: Any) -> None:
     # Nobody waits on these results: without ignore_result, send_task subscribes this process to every
     # task's result channel (a Redis round trip per message, and a subscription per task in flight).
-    app.send_task(name, args, ignore_result=True, **options)
+    with profiling.timed("broker"):
+        app.send_task(name, args, ignore_result=True, **options)
 
 
 def advance_run(run_id: int) -> None:

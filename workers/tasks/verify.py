@@ -12,9 +12,17 @@ from workers.tasks.health import this_worker
 
 @app.task(name="workers.tasks.verify.verify_batch", ignore_result=True)
 def verify_batch(run_id: int, group_ids: list[int], attempts: list[int]) -> str:
-    """Fan a rollout batch out: a ``verify_group`` message for each group but the first, judged here."""
-    messages.verify_groups(run_id, group_ids[1:], attempts[1:])
-    return verification.verify_group(group_ids[0], holder=this_worker())
+    """A rollout batch: the groups an in-process verifier judges in microseconds are judged here, together
+    (``verification.verify_groups``); every other group gets a ``verify_group`` message of its own, so slow
+    verifiers (sandboxes, remote judges, episodes) spread over the verify workers. With none of the first
+    kind, the first group is judged here."""
+    together = set(verification.batched_groups(group_ids))
+    apart = [(gid, attempt) for gid, attempt in zip(group_ids, attempts, strict=True) if gid not in together]
+    if not together and apart:
+        together.add(apart.pop(0)[0])
+    messages.verify_groups(run_id, [gid for gid, _ in apart], [attempt for _, attempt in apart])
+    statuses = verification.verify_groups([gid for gid in group_ids if gid in together], holder=this_worker())
+    return ",".join(statuses)
 
 
 @app.task(name="workers.tasks.verify.verify_group", ignore_result=True)

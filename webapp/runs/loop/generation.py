@@ -17,6 +17,7 @@ from typing import Any
 from django.db import transaction
 from django.utils import timezone
 
+from webapp.common.bulk import insert_ignoring_conflicts
 from webapp.runs.loop import live, paths
 from webapp.runs.loop.tick import wake_deferred
 from webapp.runs.models import TERMINAL_STATUSES, PromptGroup, Run, Trajectory
@@ -70,16 +71,15 @@ def write_samples(run_id: int, groups: dict[int, PromptGroup], rows: list[Sample
     wait for a rollout task) stored on each: the train step reports both, so generation sends no message.
     """
     with transaction.atomic():
-        Trajectory.objects.bulk_create([
-            Trajectory(run_id=run_id, task_id=groups[r.group_id].task_id, domain_id=groups[r.group_id].domain_id,
-                       group_key=groups[r.group_id].key, sample_index=r.index, version=r.version, prompt=r.prompt,
-                       completion=r.completion, prompt_token_ids=r.prompt_token_ids,
-                       completion_token_ids=r.completion_token_ids, behaviour_logprobs=r.logprobs,
-                       finish_reason=r.finish_reason, turns=list(r.turns), stop_reason=r.stop_reason,
-                       sandbox=r.sandbox,
-                       **counts(r.turns))
+        insert_ignoring_conflicts(Trajectory, [
+            dict(run_id=run_id, task_id=groups[r.group_id].task_id, domain_id=groups[r.group_id].domain_id,
+                 group_key=groups[r.group_id].key, sample_index=r.index, version=r.version, prompt=r.prompt,
+                 completion=r.completion, prompt_token_ids=r.prompt_token_ids,
+                 completion_token_ids=r.completion_token_ids, behaviour_logprobs=r.logprobs,
+                 finish_reason=r.finish_reason, turns=list(r.turns), stop_reason=r.stop_reason, sandbox=r.sandbox,
+                 **counts(r.turns))
             for r in rows
-        ], ignore_conflicts=True)
+        ])
         # one statement for every group of the batch: G samples each, all under the same version
         per_group: dict[int, int] = {}
         for r in rows:

@@ -20,7 +20,7 @@ from webapp.catalog.models import Task
 from webapp.runs import services
 from webapp.runs.loop import live, paths
 from webapp.runs.loop.generation import counts, episode_record, load_engine, play_episodes, sampling
-from webapp.runs.loop.verification import judge, record_verdict, score_episode
+from webapp.runs.loop.verification import judge, record_verdicts, score_episode
 from webapp.runs.metrics import Point
 from webapp.runs.models import Evaluation, PolicyVersion, Run, RunStatus, Trajectory, VerdictChoice
 from workers import messages
@@ -107,10 +107,9 @@ def score(run_id: int, version: int, samples: int) -> dict[str, float]:
                                 rd.domain.kind))
                       for t in rows if t.verdict == VerdictChoice.PENDING]
         with transaction.atomic():
-            for t, v in judged:
-                record_verdict(t.pk, status=v.status, score=v.score, reason=v.reason or "",
-                               details=v.to_dict().get("details", {}), latency_ms=v.latency_ms)
-                t.verdict, t.reward = v.status, v.score
+            record_verdicts(judged)
+        for t, v in judged:
+            t.verdict, t.reward = v.status, v.score
         per_task: defaultdict[int, list[tuple[str, float | None]]] = defaultdict(list)
         for t in rows:
             per_task[t.task_id or 0].append((t.verdict, t.reward))

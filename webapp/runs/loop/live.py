@@ -29,6 +29,7 @@ from typing import Any, Literal, TypedDict
 from django.conf import settings
 
 from webapp.runs.metrics import Point, record_points
+from workers import profiling
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +81,8 @@ def send(run_id: int, payload: Payload) -> None:
 
         layer = get_channel_layer()
         if layer is not None:
-            async_to_sync(layer.group_send)(f"run.{run_id}", {"type": "run.update", "payload": payload})
+            with profiling.timed("redis"):
+                async_to_sync(layer.group_send)(f"run.{run_id}", {"type": "run.update", "payload": payload})
     except Exception as exc:  # the page backfills from the database
         log.warning("broadcast to run %s failed: %s", run_id, exc)
 
@@ -115,10 +117,18 @@ class Timer:
     seconds: float = 0.0
 
 
-def _redis() -> Any:
-    import redis
+_client: Any = None
 
-    return redis.Redis.from_url(settings.REDIS_URL)
+
+def _redis() -> Any:
+    """One client per process (its pool reuses connections: a client per call opened a connection per
+    device stretch)."""
+    global _client
+    if _client is None:
+        import redis
+
+        _client = redis.Redis.from_url(settings.REDIS_URL)
+    return _client
 
 
 @contextmanager
@@ -126,16 +136,18 @@ def busy(run_id: int | None) -> Iterator[Timer]:
     """Time a stretch of device work for this worker process and for the run."""
     global _busy_total
     timer = Timer()
-    started = time.monotonic()
+    started, cpu = time.monotonic(), time.thread_time()
     try:
         yield timer
     finally:
         timer.seconds = time.monotonic() - started
+        profiling.add("device", timer.seconds)
+        profiling.add("device_cpu", time.thread_time() - cpu)  # less than the wall: the thread was waiting
         with _busy_lock:
             _busy_total += timer.seconds
         if run_id is not None:
             try:
-                with _redis().pipeline(transaction=False) as pipe:  # one round trip
+                with profiling.timed("redis"), _redis().pipeline(transaction=False) as pipe:  # one round trip
                     pipe.incrbyfloat(f"temper:run:{run_id}:busy", timer.seconds)
                     pipe.eval(_DECAYED_ADD, 1, _usage_key(run_id), time.time(), timer.seconds, USAGE_TAU_S)
                     pipe.execute()

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from django.db import transaction
+from django.db import connection, transaction
 from django.utils import timezone
 
 from webapp.runs.loop import live, paths, tick
@@ -97,9 +97,10 @@ def batch_trajectories(run_id: int, groups: list[PromptGroup], *fields: str) -> 
 
 
 def finish(run: Run, step: int, groups: list[PromptGroup], *, version_path: Path, metrics: dict[str, Any],
-           finished_at: float) -> PolicyVersion:
-    """Record version ``latest+1``, mark the groups and their samples trained and advance the run, in one
-    transaction."""
+           finished_at: float, facts: dict[int, tuple[float | None, bool | None]] | None = None) -> PolicyVersion:
+    """Record version ``latest+1``, mark the groups and their samples trained (with each sample's advantage
+    and clip, ``facts``) and advance the run, in one transaction: whoever sees the step sees its samples'
+    facts."""
     with transaction.atomic():
         locked = Run.objects.select_for_update().get(pk=run.pk)
         if locked.step >= step:
@@ -117,6 +118,7 @@ def finish(run: Run, step: int, groups: list[PromptGroup], *, version_path: Path
                                    status__in=(G.TRAINING, G.DROPPED)).update(
             status=G.TRAINED, drop_reason="", holder="", updated_at=timezone.now())
         Trajectory.objects.filter(run=run, group_key__in=[g.key for g in groups]).update(trained_step=step)
+        record_sample_facts(facts or {})
         state = dict(locked.state)
         for key in TRAIN_CLAIM_KEYS:
             state.pop(key, None)
@@ -129,11 +131,16 @@ def finish(run: Run, step: int, groups: list[PromptGroup], *, version_path: Path
 
 
 def record_sample_facts(facts: dict[int, tuple[float | None, bool | None]]) -> None:
-    """Each trained sample's advantage and whether it was clipped, in one statement (written after the
-    step's next messages are queued: nothing waits for it)."""
-    Trajectory.objects.bulk_update([Trajectory(pk=tid, advantage=advantage, clipped=clipped)
-                                    for tid, (advantage, clipped) in facts.items()],
-                                   ["advantage", "clipped"], batch_size=1000)
+    """Each trained sample's advantage and whether it was clipped: one prepared statement run for every row
+    (``executemany``, ~1 ms for a step). The ORM's ``bulk_update`` built a model object and a CASE branch per
+    row, a tenth of the GPU worker's time, so it was written after the step's messages, where a test could
+    read the finished run before it."""
+    if not facts:
+        return
+    table = connection.ops.quote_name(Trajectory._meta.db_table)
+    with connection.cursor() as cursor:
+        cursor.executemany(f"UPDATE {table} SET advantage = %s, clipped = %s WHERE id = %s",
+                           [(advantage, clipped, tid) for tid, (advantage, clipped) in facts.items()])
 
 
 def run_step(run_id: int, step: int, holder: str) -> int | None:
@@ -143,19 +150,17 @@ def run_step(run_id: int, step: int, holder: str) -> int | None:
     from workers.policy import resident
 
     with resident.training(run_id):
-        done = _run_step(run_id, step, holder)
-    if done is None:
+        version = _run_step(run_id, step, holder)
+    if version is None:
         return None
-    version, facts = done
     # Claim the next step and admit the next prompts right here rather than through the control queue: the
     # messages are queued before this task ends, so the device does not wait for a round trip.
     messages.report_step(run_id, step)
     tick.advance(run_id)
-    record_sample_facts(facts)
     return version
 
 
-def _run_step(run_id: int, step: int, holder: str) -> tuple[int, dict[int, tuple[float | None, bool | None]]] | None:
+def _run_step(run_id: int, step: int, holder: str) -> int | None:
     from workers.policy import resident
     from workers.policy.engines import Sample
     from workers.policy.losses import sample_advantages
@@ -218,5 +223,6 @@ def _run_step(run_id: int, step: int, holder: str) -> tuple[int, dict[int, tuple
         "nonfinite": bool(metrics.collapse_reason and "non-finite" in metrics.collapse_reason),
         "device": where.device, "dtype": where.dtype,
     }
-    version = finish(run, step, groups, version_path=out, finished_at=time.time(), metrics=finite(step_facts))
-    return version.number, facts
+    version = finish(run, step, groups, version_path=out, finished_at=time.time(), metrics=finite(step_facts),
+                     facts=facts)
+    return version.number

@@ -13,7 +13,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from django.db import transaction
+from django.db import connection, transaction
 from django.utils import timezone
 
 from webapp.runs.models import PromptGroup, Run, RunStatus, Trajectory, VerdictChoice
@@ -90,12 +90,27 @@ def record_verdict(trajectory_id: int, *, status: str, score: float | None, reas
         verify_latency_ms=latency_ms))
 
 
-def finish(group: PromptGroup, max_retries: int) -> str | None:
-    """Once every sample has a verdict: the group joins the ready buffer, or is dropped when no verdict is
-    usable. Returns the group's new status, or None while verdicts are missing (or when another delivery
-    finished it first)."""
-    verdicts = list(Trajectory.objects.filter(run_id=group.run_id, group_key=group.key)
-                    .values_list("verdict", "verdict_reason"))
+def record_verdicts(verdicts: list[tuple[Trajectory, Any]]) -> None:
+    """``record_verdict`` for many samples: one prepared statement run for every row (``executemany``)."""
+    if not verdicts:
+        return
+    details = Trajectory._meta.get_field("verifier_details")
+    table = connection.ops.quote_name(Trajectory._meta.db_table)
+    with connection.cursor() as cursor:
+        cursor.executemany(
+            f"UPDATE {table} SET verdict = %s, reward = %s, verdict_reason = %s, verifier_details = %s, "
+            f"verify_latency_ms = %s WHERE id = %s AND verdict = %s",
+            [(v.status, v.score, v.reason or "", details.get_db_prep_save(v.to_dict().get("details", {}), connection),
+              v.latency_ms, t.pk, VerdictChoice.PENDING) for t, v in verdicts])
+
+
+def finish(group: PromptGroup, max_retries: int, verdicts: list[tuple[str, str]] | None = None) -> str | None:
+    """Once every sample has a verdict (its samples' (verdict, reason), read here unless given): the group
+    joins the ready buffer, or is dropped when no verdict is usable. Returns the group's new status, or None
+    while verdicts are missing (or when another delivery finished it first)."""
+    if verdicts is None:
+        verdicts = list(Trajectory.objects.filter(run_id=group.run_id, group_key=group.key)
+                        .values_list("verdict", "verdict_reason"))
     if not verdicts or any(v == VerdictChoice.PENDING for v, _ in verdicts):
         return None
     invalid = [reason for v, reason in verdicts if v == VerdictChoice.INVALID]
@@ -112,46 +127,90 @@ def finish(group: PromptGroup, max_retries: int) -> str | None:
     return status if changed else None
 
 
+IN_PROCESS_KINDS = frozenset({"exact_match", "json_match", "math"})
+"""Verifier kinds that judge in this process in microseconds: a rollout batch of their groups is judged in
+one task (``verify_groups``), where a task per group cost ~30 ms of Celery and queries each — half a CPU core
+at the demo's pace, on a machine whose other core is the "GPU" (``bench/demo.py``)."""
+
+
+def batched_groups(group_ids: list[int]) -> list[int]:
+    """Those of ``group_ids`` judged with the rest of their rollout batch: single-turn, an in-process kind."""
+    return list(PromptGroup.objects.filter(pk__in=group_ids, domain__environment="single_turn",
+                                           domain__verifier__kind__in=IN_PROCESS_KINDS).values_list("pk", flat=True))
+
+
+def judge_samples(group: PromptGroup, rows: list[Trajectory]) -> list[Any]:
+    """The verdicts of a group's pending samples: an episode scored by its environment from its transcript;
+    a remote judge asked about every sample at once; any other verifier in this thread (some use signals,
+    main thread only), the group together where its kind can."""
+    reference = group.task.reference if group.task else {}
+    verifier = group.domain.verifier if group.domain else None
+    kind = group.domain.kind if group.domain else None
+    if group.domain is not None and group.domain.environment != "single_turn":
+        return [score_episode(group.domain, verifier, t, group.task) for t in rows]
+    if remote_judge(verifier) and len(rows) > 1:  # it spends its time waiting on the network
+        with ThreadPoolExecutor(max_workers=min(len(rows), 16)) as pool:
+            return list(pool.map(lambda t: judge(verifier, t.prompt, t.completion, reference, kind), rows))
+    return judge_group(verifier, [(t.prompt, t.completion) for t in rows], reference, kind)
+
+
 def verify_group(group_id: int, holder: str) -> str:
-    """Judge every pending sample of a group; when all are judged, the group joins the ready buffer.
+    """Judge every pending sample of a group; when all are judged, the group joins the ready buffer."""
+    return verify_groups([group_id], holder)[0]
+
+
+def verify_groups(group_ids: list[int], holder: str) -> list[str]:
+    """Judge every pending sample of these groups (of one run); each group whose samples are all judged
+    joins the ready buffer (or is dropped). Their rows are read, their verdicts written and their groups
+    finished in a few statements for all of them, and the control worker hears at most once.
 
     Timings go on the group (``verify_wait_s``, ``verify_s``); the train step reports them per domain, so
     verification sends no websocket message of its own.
     """
-    group = PromptGroup.objects.select_related("domain__verifier", "task", "run").filter(pk=group_id).first()
-    if group is None or group.status != G.VERIFYING:
-        return "skipped"
-    started, wait = time.monotonic(), (timezone.now() - group.updated_at).total_seconds()
-    # held from now on by this worker: if it dies mid-judgment, the recovery tick hands the group out again
-    PromptGroup.objects.filter(pk=group.pk, status=G.VERIFYING).update(holder=holder, updated_at=timezone.now())
-    reference = group.task.reference if group.task else {}
-    verifier = group.domain.verifier if group.domain else None
-    kind = group.domain.kind if group.domain else None
-    pending = list(Trajectory.objects.filter(run_id=group.run_id, group_key=group.key, verdict=VerdictChoice.PENDING)
-                   .only("id", "prompt", "completion", "turns", "stop_reason").order_by("sample_index"))
-    if group.domain is not None and group.domain.environment != "single_turn":
-        results = [score_episode(group.domain, verifier, t, group.task) for t in pending]
-    elif remote_judge(verifier) and len(pending) > 1:
-        # a remote judge spends its time waiting on the network: ask it about every sample at once
-        with ThreadPoolExecutor(max_workers=min(len(pending), 16)) as pool:
-            results = list(pool.map(lambda t: judge(verifier, t.prompt, t.completion, reference, kind), pending))
-    else:  # in-process and sandboxed verifiers in this thread (some use signals, main thread only)
-        results = judge_group(verifier, [(t.prompt, t.completion) for t in pending], reference, kind)
+    found = {g.pk: g for g in PromptGroup.objects.select_related("domain__verifier", "task", "run")
+             .filter(pk__in=group_ids)}
+    groups = [found[gid] for gid in group_ids if gid in found and found[gid].status == G.VERIFYING]
+    out = {gid: "skipped" for gid in group_ids}
+    if not groups:
+        return [out[gid] for gid in group_ids]
+    run = groups[0].run
+    assert all(g.run_id == run.pk for g in groups), "verify_groups takes the groups of one run"
+    now = timezone.now()
+    # held from now on by this worker: if it dies mid-judgment, the recovery tick hands the groups out again
+    PromptGroup.objects.filter(pk__in=[g.pk for g in groups], status=G.VERIFYING).update(holder=holder,
+                                                                                       updated_at=now)
+    pending: dict[str, list[Trajectory]] = {g.key: [] for g in groups}
+    for t in (Trajectory.objects.filter(run_id=run.pk, group_key__in=list(pending), verdict=VerdictChoice.PENDING)
+              .only("id", "group_key", "prompt", "completion", "turns", "stop_reason").order_by("sample_index")):
+        pending[t.group_key].append(t)
+    verdicts: list[tuple[Trajectory, Any]] = []
+    timings: list[tuple[int, float, float]] = []
+    for group in groups:
+        group_started = time.monotonic()
+        rows = pending[group.key]
+        verdicts += zip(rows, judge_samples(group, rows), strict=True)
+        timings.append((group.pk, (now - group.updated_at).total_seconds(), time.monotonic() - group_started))
     with transaction.atomic():
-        for t, v in zip(pending, results, strict=True):
-            record_verdict(t.pk, status=v.status, score=v.score, reason=v.reason or "",
-                           details=v.to_dict().get("details", {}), latency_ms=v.latency_ms)
-        PromptGroup.objects.filter(pk=group.pk, verify_s__isnull=True).update(
-            verify_wait_s=wait, verify_s=time.monotonic() - started)
-    spec = RunSpec.model_validate(group.run.spec)
-    status = finish(group, spec.pipeline.invalid_retries)
-    if status is None:
-        return "pending"
-    # Verification changes what the control worker would do only when a batch is ready to train, a group
-    # was dropped (it frees admission room), or the run is pausing or ended: otherwise spare it a call.
-    run_status, state = Run.objects.filter(pk=group.run_id).values_list("status", "state").get()
-    ready = PromptGroup.objects.filter(run_id=group.run_id, status=G.READY).count()
-    if (status == G.DROPPED or run_status != RunStatus.RUNNING
-            or (ready >= spec.pipeline.batch_prompts and not state.get("train_claim"))):
-        messages.advance_run(group.run_id)
-    return status
+        record_verdicts(verdicts)
+        for gid, wait, seconds in timings:
+            PromptGroup.objects.filter(pk=gid, verify_s__isnull=True).update(verify_wait_s=wait, verify_s=seconds)
+    spec = RunSpec.model_validate(run.spec)
+    states: dict[str, list[tuple[str, str]]] = {g.key: [] for g in groups}
+    for key, verdict, reason in (Trajectory.objects.filter(run_id=run.pk, group_key__in=list(states))
+                                 .values_list("group_key", "verdict", "verdict_reason")):
+        states[key].append((verdict, reason))
+    finished = []
+    for group in groups:
+        status = finish(group, spec.pipeline.invalid_retries, states[group.key])
+        out[group.pk] = status or "pending"
+        if status is not None:
+            finished.append(status)
+    if finished:
+        # Verification changes what the control worker would do only when a batch is ready to train, a group
+        # was dropped (it frees admission room), or the run is pausing or ended: otherwise spare it a call.
+        run_status, state = Run.objects.filter(pk=run.pk).values_list("status", "state").get()
+        ready = PromptGroup.objects.filter(run_id=run.pk, status=G.READY).count()
+        if (G.DROPPED in finished or run_status != RunStatus.RUNNING
+                or (ready >= spec.pipeline.batch_prompts and not state.get("train_claim"))):
+            messages.advance_run(run.pk)
+    return [out[gid] for gid in group_ids]
