@@ -57,3 +57,48 @@ def test_a_train_step_that_always_raises_fails_the_run_with_its_reason(start_wor
     wait_for(lambda: not PromptGroup.objects.filter(run_id=run_id).exclude(status="dropped").exists(), 30,
              "the failed run's groups to be dropped")
     assert not PromptGroup.objects.filter(run_id=run_id, drop_reason="").exists()
+
+
+def test_a_prompt_longer_than_the_model_s_context_is_refused_with_the_reason(start_worker, api, user):
+    """The demo model has 64 positions: a longer prompt's group is dropped with the reason (not sampled past
+    the context, not padding its whole batch to its length), and a held-out task with one counts as invalid
+    with the reason, not as a failure; the short prompts around them train and evaluate as usual."""
+    import json
+
+    from tests import factories
+    from tests.test_pipeline import wait_status
+    from webapp.catalog.models import BaseModel, TaskDomain
+    from webapp.catalog.services import do_import_tasks
+    from webapp.runs.models import Evaluation, Trajectory
+
+    start_worker("control")
+    start_worker("rollout,train")
+    start_worker("verify")
+    domain = TaskDomain.objects.create(owner=user, name="mixed", kind="answer",
+                                       verifier=factories.verifier(user, name="exact"))
+    long = "Think about this carefully before you answer: " * 2
+    rows = []
+    for i in range(24):  # admitted in id order: every other train task is too long
+        a, b = 10 + i, 20 + i
+        rows.append({"prompt": f"{long if i % 2 else ''}{a}+{b}=", "answer": a + b, "split": "train"})
+    for i in range(6):
+        a, b = 40 + i, 50 + i
+        rows.append({"prompt": f"{long if i < 2 else ''}{a}+{b}=", "answer": a + b, "split": "heldout"})
+    do_import_tasks(domain, (json.dumps(r) for r in rows))
+    bm = BaseModel.objects.create(owner=user, name="demo", path="assets/base-models/demo")
+    spec = {**SMALL, "max_steps": 2, "eval_every": 2, "eval_tasks": 6}
+    response = api.post("/api/v1/runs/", {"name": "long", "base_model": bm.pk, "domains": [{"domain": domain.pk}],
+                                          "spec": spec}, format="json")
+    run_id = response.json()["id"]
+    assert api.post(f"/api/v1/runs/{run_id}/start/", {}, format="json").status_code == 200
+    run = wait_status(run_id, {"completed"}, timeout=240)
+    dropped = list(PromptGroup.objects.filter(run=run, status="dropped").select_related("task"))
+    assert dropped and all(long in g.task.prompt for g in dropped)
+    assert all("tokens: the model's context of 64 leaves no room" in g.drop_reason for g in dropped), dropped[0].drop_reason
+    assert not Trajectory.objects.filter(run=run, is_eval=False, prompt__contains=long).exists()
+    assert PromptGroup.objects.filter(run=run, status="trained").count() == 2 * SMALL["pipeline"]["batch_prompts"]
+    evaluation = wait_for(lambda: Evaluation.objects.filter(version__run=run, version__number=0, status="done").first(),
+                          60, "the base model's evaluation")
+    assert evaluation.invalid_count == 2 and evaluation.n_tasks == 6 and len(evaluation.results["tasks"]) == 4
+    refused = Trajectory.objects.filter(run=run, is_eval=True, verdict="invalid")
+    assert refused.count() == 2 * 2 and all("leaves no room" in t.verdict_reason for t in refused)

@@ -80,6 +80,11 @@ class Engine(Protocol):
     tokenizer: Any
     """The base model's Hugging Face tokenizer (its chat template, when it has one, renders prompts)."""
 
+    @property
+    def max_context(self) -> int:
+        """Tokens of prompt and completion together the model takes (0: unknown)."""
+        ...
+
     def generate(self, prompts: Sequence[Prompt], sampling: SamplingParams) -> list[Sample]:
         """``len(prompts) * sampling.n`` samples, prompt-major. A prompt is a text or a conversation
         (``workers.policy.chat``); each sample's ``prompt`` is its text."""

@@ -62,6 +62,11 @@ class TorchEngine:
             self.set_version(version_dir)
 
     @property
+    def max_context(self) -> int:
+        """Positions the model was built for: prompt and completion together."""
+        return int(getattr(self.policy.model.config, "max_position_embeddings", 0) or 0)
+
+    @property
     def model(self) -> Any:
         """The module that generates (the base model, or the base wrapped in the current adapter)."""
         return self.policy.model

@@ -101,6 +101,11 @@ class VLLMEngine:
         )
         self.version = meta.version
 
+    @property
+    def max_context(self) -> int:
+        """The engine's ``max_model_len``: prompt and completion together."""
+        return int(self.llm.llm_engine.model_config.max_model_len)
+
     def generate(self, prompts: Sequence[Prompt], sampling: SamplingParams) -> list[Sample]:
         return self._generate([prompt_text(p) for p in prompts], encode_prompts(self.tokenizer, prompts), sampling)
 

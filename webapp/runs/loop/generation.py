@@ -140,19 +140,29 @@ def generate(run_id: int, group_ids: list[int], holder: str) -> int:
     if single:
         prompts = [g.domain.render_messages(g.task.prompt, g.task.reference, g.task.metadata) if g.task and g.domain
                    else "" for g in single]
-        with live.on_device(run_id) as timer:  # switching to the newest version is device work too
-            serve_newest(engine, run)
-            samples = engine.generate(prompts, sampling(spec, group_size))
-        device_s += timer.seconds
-        rows += [SampleRow(group_id=single[i // group_size].pk, index=i % group_size, prompt=s.prompt,
-                           completion=s.text, prompt_token_ids=s.prompt_token_ids,
-                           completion_token_ids=s.completion_token_ids, logprobs=s.logprobs,
-                           finish_reason=s.finish_reason, version=s.version)
-                 for i, s in enumerate(samples)]
+        contexts, refused = fit_prompts(engine, prompts, spec.sampling.max_tokens)
+        for i, reason in refused.items():
+            PromptGroup.objects.filter(pk=single[i].pk, status=G.GENERATING).update(
+                status=G.DROPPED, drop_reason=reason, holder="", updated_at=timezone.now())
+        kept = [i for i in range(len(single)) if i not in refused]
+        if kept:
+            with live.on_device(run_id) as timer:  # switching to the newest version is device work too
+                serve_newest(engine, run)
+                samples = engine.generate_ids([contexts[i] for i in kept], sampling(spec, group_size))
+            device_s += timer.seconds
+            rows += [SampleRow(group_id=single[kept[n // group_size]].pk, index=n % group_size,
+                               prompt=prompt_text(prompts[kept[n // group_size]]), completion=s.text,
+                               prompt_token_ids=s.prompt_token_ids, completion_token_ids=s.completion_token_ids,
+                               logprobs=s.logprobs, finish_reason=s.finish_reason, version=s.version)
+                     for n, s in enumerate(samples)]
+        groups = [g for i, g in enumerate(single) if i not in refused] + episodic
     if episodic:
         episode_rows, seconds = run_group_episodes(run, spec, engine, episodic)
         rows += episode_rows
         device_s += seconds
+    if not groups:  # every prompt refused
+        messages.advance_run(run_id)
+        return 0
     waits = [(claimed_at - g.created_at).total_seconds() for g in groups]
     write_samples(run_id, {g.pk: g for g in groups}, rows, generate_s=device_s, wait_s=sum(waits) / len(waits))
     # One message hands the batch to the verify queue, which fans it out: the GPU worker goes back to the
@@ -161,6 +171,26 @@ def generate(run_id: int, group_ids: list[int], holder: str) -> int:
     messages.advance_run(run_id)
     wake_deferred(except_run=run_id)
     return len(rows)
+
+
+def context_tokens(engine: Any) -> int:
+    """The model's context in tokens (``Engine.max_context``; 0 when the engine does not say)."""
+    return int(getattr(engine, "max_context", 0) or 0)
+
+
+def fit_prompts(engine: Any, prompts: list[Any], max_tokens: int) -> tuple[list[list[int]], dict[int, str]]:
+    """Each prompt's ids, and the prompts refused with the reason: those that leave no room in the model's
+    context for ``max_tokens`` more. Sampling past the context is undefined for the model, and one long
+    prompt pads a whole batch to its length (a reasoning-gym pack on the demo model's 64 positions grew the
+    GPU worker to 21 GB)."""
+    from workers.policy.engines import encode_prompts
+
+    contexts = encode_prompts(engine.tokenizer, prompts)
+    limit = context_tokens(engine)
+    refused = {i: (f"the prompt is {len(ids)} tokens: the model's context of {limit} leaves no room for "
+                   f"{max_tokens} more (sampling.max_tokens)")
+               for i, ids in enumerate(contexts) if limit and len(ids) + max_tokens > limit}
+    return contexts, refused
 
 
 def serve_newest(engine: Any, run: Run) -> None:
@@ -292,8 +322,7 @@ def play_episodes(run: Run, spec: RunSpec, engine: Any, items: list[tuple[Any, A
         device_s[0] += timer.seconds
         return out
 
-    context = e.context_tokens or int(getattr(getattr(getattr(engine, "model", None), "config", None),
-                                              "max_position_embeddings", 0) or 4096)
+    context = e.context_tokens or context_tokens(engine) or 4096
     limits = EpisodeLimits(max_turns=e.max_turns, max_tokens_per_turn=e.max_tokens_per_turn or spec.sampling.max_tokens,
                            context_tokens=context, deadline_s=e.deadline_seconds)
     episodes: list[Episode] = []

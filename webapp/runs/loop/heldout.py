@@ -19,12 +19,20 @@ from django.db import transaction
 from webapp.catalog.models import Task
 from webapp.runs import services
 from webapp.runs.loop import live, paths
-from webapp.runs.loop.generation import counts, episode_record, load_engine, play_episodes, sampling
+from webapp.runs.loop.generation import (
+    counts,
+    episode_record,
+    fit_prompts,
+    load_engine,
+    play_episodes,
+    sampling,
+)
 from webapp.runs.loop.verification import judge, record_verdicts, score_episode
 from webapp.runs.metrics import Point
 from webapp.runs.models import Evaluation, PolicyVersion, Run, RunStatus, Trajectory, VerdictChoice
 from workers import messages
 from workers.pipeline.spec import RunSpec
+from workers.policy.chat import prompt_text
 
 
 def sample(run_id: int, version: int) -> int:
@@ -54,16 +62,24 @@ def sample(run_id: int, version: int) -> int:
     prompts = [rd.domain.render_messages(t.prompt, t.reference, t.metadata) for rd, domain_tasks in single
                for t in domain_tasks]
     engine = load_engine(run, spec)
+    contexts, refused = fit_prompts(engine, prompts, spec.sampling.max_tokens)
+    kept = [i for i in range(len(tasks)) if i not in refused]
     with live.on_device(run_id):  # every single-turn domain's prompts in one batch
         resident.serve(engine, run_id, version, paths.version_dir(run.pk, version))
-        outputs = engine.generate(prompts, sampling(spec, k, greedy=k == 1)) if tasks else []
+        outputs = engine.generate_ids([contexts[i] for i in kept], sampling(spec, k, greedy=k == 1)) if kept else []
     rows = [
-        Trajectory(run=run, task=t, domain_id=t.domain_id, group_key=messages.eval_key(version, k, t.pk),
-                   sample_index=i % k, version=version, prompt=s.prompt, completion=s.text,
+        Trajectory(run=run, task=tasks[kept[n // k]], domain_id=tasks[kept[n // k]].domain_id,
+                   group_key=messages.eval_key(version, k, tasks[kept[n // k]].pk), sample_index=n % k,
+                   version=version, prompt=prompt_text(prompts[kept[n // k]]), completion=s.text,
                    prompt_token_ids=s.prompt_token_ids, completion_token_ids=s.completion_token_ids,
                    finish_reason=s.finish_reason, is_eval=True)
-        for i, (t, s) in enumerate(zip((t for t in tasks for _ in range(k)), outputs, strict=True))
+        for n, s in enumerate(outputs)
     ]
+    # a task whose prompt does not fit the model counts as invalid, with the reason, not as a failure
+    rows += [Trajectory(run=run, task=tasks[i], domain_id=tasks[i].domain_id, sample_index=j, version=version,
+                        group_key=messages.eval_key(version, k, tasks[i].pk), prompt=prompt_text(prompts[i]),
+                        completion="", is_eval=True, verdict=VerdictChoice.INVALID, verdict_reason=reason)
+             for i, reason in refused.items() for j in range(k)]
     if episodic:  # multi-turn domains are evaluated as they are trained: whole episodes, greedy turns
         items = [(rd.domain, t, spec.seed + i) for rd, ts in episodic for t in ts for i in range(k)]
         params = sampling(spec, k, greedy=k == 1)
