@@ -83,3 +83,34 @@ def test_the_slow_tool_calls_its_session_then_takes_the_answer():
     assert last.done and last.status == "done"
     assert env.score(Transcript(task, [Turn("model", "74", 0, 2)], "done")).score == 1.0
     assert env.score(Transcript(task, [Turn("model", "75", 0, 2)], "done")).score == 0.0
+
+
+def test_the_demo_benchmark_runs_its_bare_loop_and_ends_with_its_result_line():
+    out = subprocess.run([sys.executable, "bench/demo.py", "--only", "bare", "--budget", "4"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-2000:]
+    last = out.stdout.strip().splitlines()[-1]
+    assert last.startswith("result: ") and "bare_steps_per_s=" in last, last
+
+
+def test_the_demo_benchmark_adds_up_a_step_from_the_workers_task_records(tmp_path):
+    """Two GPU tasks overlapping on two threads, one evaluation, a verify task (not the GPU worker's), over a
+    10 s window of 2 steps: per step, each kind of time, and the time no GPU task ran."""
+    import json
+
+    sys.path.insert(0, str(ROOT))
+    from bench.demo import breakdown
+
+    records = [
+        {"worker": "gpu", "task": "workers.tasks.rollout.generate", "start": 100.0, "end": 104.0, "device": 3.0,
+         "device_cpu": 2.0, "db": 0.5, "db_n": 10, "broker": 0.1, "broker_n": 2},
+        {"worker": "gpu", "task": "workers.tasks.train.train_step", "start": 103.0, "end": 106.0, "device": 2.0,
+         "device_cpu": 2.0, "db": 0.2, "db_n": 6},
+        {"worker": "gpu", "task": "workers.tasks.rollout.evaluate", "start": 107.0, "end": 108.0, "device": 1.0},
+        {"worker": "sandbox", "task": "workers.tasks.verify.verify_batch", "start": 100.0, "end": 110.0, "db": 9.0},
+    ]
+    (tmp_path / "1.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    b = breakdown(tmp_path, (100.0, 110.0), 2)
+    assert b["wall"] == 5.0 and b["device"] == 2.5 and b["device_cpu"] == 2.0 and b["db"] == 0.35
+    assert b["evaluation"] == 0.5 and b["no_task"] == 1.5  # nothing ran in [106, 107) and [108, 110): 3 s
+    assert abs(b["python"] - (4.0 - 3.6 + 3.0 - 2.2) / 2) < 1e-9 and b["db_queries"] == 8 and b["messages"] == 1

@@ -61,6 +61,8 @@ def run_grpo(
     heldout_size: int = 200,
     seed: int = 0,
     progress: Callable[[dict[str, Any]], None] | None = None,
+    train_rows: list[dict[str, str]] | None = None,
+    heldout_rows: list[dict[str, str]] | None = None,
 ) -> LoopReport:
     """Run GRPO on one demo domain until ``max_steps``, ``time_budget_s``, held-out >= ``target`` or
     held-out >= the starting accuracy + ``early_stop_gain``.
@@ -72,8 +74,12 @@ def run_grpo(
     eng = engine or load_engine(engine_name, base_model_dir, seed=seed)
     eng.set_version(None)
     trainer = Trainer(base_model_dir, cfg)
-    heldout = demo_tasks(domain, heldout_size, seed=seed, split="heldout")
-    train_rows = demo_tasks(domain, prompts_per_step * max_steps, seed=seed, split="train")
+    # ``train_rows``/``heldout_rows``: the tasks a caller wants (bench/demo.py passes the full system's own)
+    heldout = heldout_rows or demo_tasks(domain, heldout_size, seed=seed, split="heldout")
+    if train_rows is None:
+        train_rows = demo_tasks(domain, prompts_per_step * max_steps, seed=seed, split="train")
+    elif len(train_rows) < prompts_per_step * max_steps:  # the stream goes round, as the loop's admission does
+        train_rows = (train_rows * (prompts_per_step * max_steps // len(train_rows) + 1))[:prompts_per_step * max_steps]
     before = best = after = heldout_accuracy(eng, heldout)
     report = LoopReport(before=before, after=before, best=before, steps=0, seconds=0.0)
     if early_stop_gain is not None:
