@@ -154,6 +154,7 @@ class EnvironmentError_(ValueError):
 BUILTIN_ENVIRONMENTS: dict[str, str] = {
     "single_turn": "workers.environments.single_turn:SingleTurn",
     "python_tool": "workers.environments.python_tool:PythonTool",
+    "guess_number": "workers.environments.guess_number:GuessNumber",
 }
 
 _NAME = re.compile(r"[a-z][a-z0-9_]*")
