@@ -195,7 +195,7 @@ def main() -> None:
 def runtime_bench(name: str, runs: int, plain_p50: float) -> dict[str, float]:
     """The runtime's cold build (into a fresh image root), its warm p50, a naive start, a second domain."""
     definition = runtimes.get(name)
-    root = runtimes.PROJECT_ROOT / "var" / "bench-runtimes" / str(os.getpid())
+    root = runtimes.images_root().parent / "bench-runtimes" / str(os.getpid())
     os.environ["TEMPER_RUNTIMES_ROOT"] = str(root)
     try:
         started = time.perf_counter()

@@ -13,7 +13,7 @@ without a database. ``python`` (the default, `DEFAULT`) has no image: the host i
 standard library only — no site-packages, neither the worker's virtualenv nor the interpreter's own.
 
 An **image** is a virtualenv built from the definition under ``TEMPER_RUNTIMES_ROOT`` (default
-``var/runtimes`` of the project), in a directory named by the sha256 of what determines its content (the
+``var/runtimes`` of the project; ``~/.cache/temper/runtimes`` for a checkout under /tmp), in a directory named by the sha256 of what determines its content (the
 interpreter's exact version and the sorted pins; not the name or the preload list, so two definitions
 with the same pins share one image). The resolved ``pip freeze`` is recorded in the image as its lock,
 with its own sha256. A build runs in a temporary directory beside the image and is renamed into place
@@ -218,12 +218,23 @@ def check_name(name: str) -> str:
 # ---------------------------------------------------------------- images
 
 
+def _under_tmp(path: Path) -> bool:
+    return path == Path("/tmp") or Path("/tmp") in path.parents
+
+
 def images_root() -> Path:
-    root = Path(os.environ.get("TEMPER_RUNTIMES_ROOT") or PROJECT_ROOT / "var" / "runtimes").resolve()
-    if root == Path("/tmp") or Path("/tmp") in root.parents:
-        # A sandbox's /tmp is its own tmpfs: an image there would be invisible to the code it should run.
+    """Where images are built: ``TEMPER_RUNTIMES_ROOT``, else the project's ``var/runtimes`` — or, for a
+    checkout under /tmp (a fresh clone, a CI checkout), the user's cache directory
+    (``$XDG_CACHE_HOME/temper/runtimes``): a sandbox's /tmp is its own tmpfs, so an image under /tmp would be
+    invisible to the code it should run."""
+    configured = os.environ.get("TEMPER_RUNTIMES_ROOT")
+    root = Path(configured or PROJECT_ROOT / "var" / "runtimes").resolve()
+    if not configured and _under_tmp(root):
+        cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+        root = (cache / "temper" / "runtimes").resolve()
+    if _under_tmp(root):
         raise RuntimeDefinitionError(f"TEMPER_RUNTIMES_ROOT={root} is under /tmp, which every sandbox covers with its "
-                            "own work directory; put images elsewhere (default: var/runtimes)")
+                                     "own work directory; put images elsewhere (default: var/runtimes)")
     return root
 
 

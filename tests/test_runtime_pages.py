@@ -33,7 +33,7 @@ def client_in(user: Any) -> Client:
 
 @pytest.fixture
 def own_root(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    root = runtimes.PROJECT_ROOT / "var" / "test-runtimes" / uuid.uuid4().hex[:8]
+    root = runtimes.images_root().parent / "test-runtimes" / uuid.uuid4().hex[:8]
     monkeypatch.setenv("TEMPER_RUNTIMES_ROOT", str(root))
     yield root
     shutil.rmtree(root, ignore_errors=True)

@@ -33,7 +33,7 @@ def numpy_image() -> runtimes.Image:
 @pytest.fixture
 def own_root(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """An image root of the test's own (outside /tmp, which every sandbox covers with its work directory)."""
-    root = runtimes.PROJECT_ROOT / "var" / "test-runtimes" / uuid.uuid4().hex[:8]
+    root = runtimes.images_root().parent / "test-runtimes" / uuid.uuid4().hex[:8]
     monkeypatch.setenv("TEMPER_RUNTIMES_ROOT", str(root))
     yield root
     shutil.rmtree(root, ignore_errors=True)
