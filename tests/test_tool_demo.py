@@ -99,7 +99,8 @@ def plant_answers_without_the_tool(run: Run, best: PolicyVersion) -> PolicyVersi
     from workers.policy.versions import load_version, save_version
 
     base = paths.resolve_model_path(run.base_model)
-    number = run.latest_version + 1
+    # after the newest version, read now: a step in flight when the run reached its target still records one
+    number = max(PolicyVersion.objects.filter(run=run).values_list("number", flat=True)) + 1
     target = paths.version_dir(run.pk, number)
     assert target is not None
     if target.exists():  # left by an earlier test run whose run had the same id
@@ -113,5 +114,5 @@ def plant_answers_without_the_tool(run: Run, best: PolicyVersion) -> PolicyVersi
     finally:
         torch.set_num_threads(threads)
     assert after["tool_rate"] <= 0.1, after  # the plant took: it no longer calls the tool
-    Run.objects.filter(pk=run.pk).update(latest_version=number)
+    Run.objects.filter(pk=run.pk).update(latest_version=number)  # the run has ended: nothing trains after it
     return PolicyVersion.objects.create(run=run, number=number, parent=best, step=run.step, path=str(target))
