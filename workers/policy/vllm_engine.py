@@ -103,8 +103,11 @@ class VLLMEngine:
 
     @property
     def max_context(self) -> int:
-        """The engine's ``max_model_len``: prompt and completion together."""
-        return int(self.llm.llm_engine.model_config.max_model_len)
+        """The engine's ``max_model_len``: prompt and completion together (0 where this vLLM hides it)."""
+        engine = getattr(self.llm, "llm_engine", None)
+        config = getattr(engine, "model_config", None) or getattr(getattr(engine, "vllm_config", None),
+                                                                  "model_config", None)
+        return int(getattr(config, "max_model_len", 0) or 0)
 
     def generate(self, prompts: Sequence[Prompt], sampling: SamplingParams) -> list[Sample]:
         return self._generate([prompt_text(p) for p in prompts], encode_prompts(self.tokenizer, prompts), sampling)
