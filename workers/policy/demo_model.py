@@ -168,6 +168,23 @@ def masked_lm_step(model: Any, opt: Any, ids: torch.Tensor, mask: torch.Tensor) 
     return float(loss)
 
 
+def build_progress(total: int, desc: str) -> tuple[Any, Callable[[int, int, dict[str, float]], None]]:
+    """A builder's progress bar and its ``progress(step, total, info)`` callback: the bar follows the step and
+    shows the latest figures; an evaluation's figures (more than the loss) are also written out as a line."""
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, desc=desc, unit="step")
+
+    def progress(step: int, total: int, info: dict[str, float]) -> None:
+        bar.n = step
+        bar.set_postfix({k: round(v, 3) for k, v in info.items()}, refresh=False)
+        bar.refresh()
+        if len(info) > 1:
+            tqdm.write(json.dumps({"step": step, **{k: round(v, 3) for k, v in info.items()}}), file=sys.stderr)
+
+    return bar, progress
+
+
 def save_model(model: Any, tokenizer: Any, out_dir: str | Path) -> Path:
     """Write a Hugging Face model directory every loader here reads (vLLM and transformers 4 included)."""
     out = Path(out_dir)

@@ -61,7 +61,14 @@ import torch
 
 from workers.environments.base import EnvTask, Transcript, Turn
 from workers.environments.guess_number import GuessNumber, prompt
-from workers.policy.demo_model import build_tokenizer, masked_lm_step, model_config, pad_batch, save_model
+from workers.policy.demo_model import (
+    build_progress,
+    build_tokenizer,
+    masked_lm_step,
+    model_config,
+    pad_batch,
+    save_model,
+)
 from workers.verifiers.base import Verdict
 
 CONTEXT = 128
@@ -333,8 +340,6 @@ def build_guess_demo_model(
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    from tqdm import tqdm
-
     parser = argparse.ArgumentParser(description="Build and pre-train the guess-the-number demo's base model.")
     parser.add_argument("out_dir")
     parser.add_argument("--seed", type=int, default=0)
@@ -343,14 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    bar = tqdm(total=args.consistent_steps + 300, desc="pre-training the guess demo model", unit="step")
-
-    def progress(step: int, total: int, info: dict[str, float]) -> None:
-        bar.n = step
-        bar.set_postfix({k: round(v, 3) for k, v in info.items()}, refresh=False)
-        bar.refresh()
-        if len(info) > 1:
-            tqdm.write(json.dumps({"step": step, **{k: round(v, 3) for k, v in info.items()}}), file=sys.stderr)
+    bar, progress = build_progress(args.consistent_steps + 300, "pre-training the guess demo model")
 
     report = build_guess_demo_model(args.out_dir, seed=args.seed, progress=progress,
                                     consistent_steps=args.consistent_steps, consistent_share=args.consistent_share)

@@ -33,7 +33,14 @@ from typing import Any
 
 import torch
 
-from workers.policy.demo_model import build_tokenizer, masked_lm_step, model_config, pad_batch, save_model
+from workers.policy.demo_model import (
+    build_progress,
+    build_tokenizer,
+    masked_lm_step,
+    model_config,
+    pad_batch,
+    save_model,
+)
 from workers.policy.demo_tasks import _split_pool, demo_tasks
 
 CONTEXT = 128
@@ -235,8 +242,6 @@ def build_tool_demo_model(
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    from tqdm import tqdm
-
     parser = argparse.ArgumentParser(description="Build and pre-train the tool demo's base model.")
     parser.add_argument("out_dir")
     parser.add_argument("--seed", type=int, default=0)
@@ -246,14 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    bar = tqdm(total=args.steps, desc="pre-training the tool demo model", unit="step")
-
-    def progress(step: int, total: int, info: dict[str, float]) -> None:
-        bar.n = step
-        bar.set_postfix({k: round(v, 3) for k, v in info.items()}, refresh=False)
-        bar.refresh()
-        if len(info) > 1:
-            tqdm.write(json.dumps({"step": step, **{k: round(v, 3) for k, v in info.items()}}), file=sys.stderr)
+    bar, progress = build_progress(args.steps, "pre-training the tool demo model")
 
     report = build_tool_demo_model(args.out_dir, seed=args.seed, progress=progress, steps=args.steps,
                                    tool_share=args.tool_share, long_tool_share=args.long_tool_share)
