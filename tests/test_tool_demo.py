@@ -76,6 +76,7 @@ def test_the_tool_demo_learns_to_compute_products_with_the_tool(start_worker, ap
     assert layers["end_to_end"]["gain"] >= 0.4 and not layers["capability"]["regressions"], layers
     promoted = api.post(f"/api/v1/policy-versions/{best.pk}/promote/", {"alias": "production"}, format="json")
     assert promoted.status_code == 200, promoted.json()
+    wait_for_the_last_step(run, workers=3)
     plant = plant_answers_without_the_tool(run, best)
     assert api.post(f"/api/v1/policy-versions/{plant.pk}/evaluate/", {}, format="json").status_code == 202
     deadline = time.monotonic() + 300
@@ -91,6 +92,23 @@ def test_the_tool_demo_learns_to_compute_products_with_the_tool(start_worker, ap
     assert "capability layer" not in refused.json()["detail"]
 
 
+def wait_for_the_last_step(run: Run, workers: int) -> None:
+    """Return once no train step of ``run`` can still record a version. A step that was training when the run
+    reached its target records its version after ``completed`` (its work is kept); a step that starts later
+    finds the run ended and records nothing. So the run is settled when its train claim is gone or no worker
+    is executing a train step (every one of the ``workers`` answering)."""
+    from workers.celery import app
+    from workers.messages import TRAIN_STEP
+
+    deadline = time.monotonic() + 120
+    while "train_claim" in Run.objects.get(pk=run.pk).state:
+        active = app.control.inspect(timeout=1.0).active() or {}
+        if len(active) >= workers and not any(t["name"] == TRAIN_STEP for tasks in active.values() for t in tasks):
+            return
+        assert time.monotonic() < deadline, ("a train step still runs", active)
+        time.sleep(0.2)
+
+
 def plant_answers_without_the_tool(run: Run, best: PolicyVersion) -> PolicyVersion:
     """A new version of ``run``: ``best`` trained to answer products directly, without the tool."""
     import torch
@@ -99,7 +117,7 @@ def plant_answers_without_the_tool(run: Run, best: PolicyVersion) -> PolicyVersi
     from workers.policy.versions import load_version, save_version
 
     base = paths.resolve_model_path(run.base_model)
-    # after the newest version, read now: a step in flight when the run reached its target still records one
+    # after the newest version: the run is settled (wait_for_the_last_step), so nothing records one after it
     number = max(PolicyVersion.objects.filter(run=run).values_list("number", flat=True)) + 1
     target = paths.version_dir(run.pk, number)
     assert target is not None

@@ -165,7 +165,7 @@ def masked_lm_step(model: Any, opt: Any, ids: torch.Tensor, mask: torch.Tensor) 
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
-    return float(loss)
+    return float(loss.detach())
 
 
 def build_progress(total: int, desc: str) -> tuple[Any, Callable[[int, int, dict[str, float]], None]]:
