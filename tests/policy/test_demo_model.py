@@ -94,3 +94,25 @@ def test_build_is_deterministic_on_one_machine(tmp_path: Path) -> None:
         torch.set_num_threads(threads)
     first = (tmp_path / "a" / "model.safetensors").read_bytes()
     assert first == (tmp_path / "b" / "model.safetensors").read_bytes()
+
+
+def test_demo_long_is_the_demo_model_declared_with_a_longer_context(demo_dir: Path) -> None:
+    """``demo-long`` (for domains with longer prompts, such as a reasoning-gym pack) links the demo model's
+    weights and tokenizer and differs only in the context it declares, which the engine reports and samples
+    within: a 600-token prompt, ten times the demo's 64 positions."""
+    from workers.policy.engines import SamplingParams, load_engine
+
+    long_dir = demo_dir.parent / "demo-long"
+    for name in ("model.safetensors", "tokenizer.json", "generation_config.json"):
+        assert (long_dir / name).resolve() == (demo_dir / name).resolve(), name
+    config, long_config = (json.loads((d / "config.json").read_text()) for d in (demo_dir, long_dir))
+    assert {k for k in config if config[k] != long_config.get(k)} == {"max_position_embeddings"}
+    engine = load_engine("torch", long_dir)
+    assert engine.max_context == long_config["max_position_embeddings"] == 1024
+    prompt = engine.tokenizer.encode("What is 12+34? " * 40, add_special_tokens=False)
+    assert len(prompt) == 600
+    samples = engine.generate_ids([prompt], SamplingParams(n=2, temperature=1.0, max_tokens=6, seed=0))
+    assert len(samples) == 2
+    for s in samples:
+        assert 1 <= len(s.completion_token_ids) <= 6 and len(s.logprobs) == len(s.completion_token_ids)
+        assert all(lp <= 0.0 for lp in s.logprobs)

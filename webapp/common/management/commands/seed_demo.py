@@ -10,6 +10,8 @@ guess: a reward that comes from multi-step feedback), are left as drafts to star
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 from django.conf import settings
@@ -24,6 +26,9 @@ from webapp.runs.services import DomainWeight, do_create_run, do_start_run
 
 DEMO_MODEL_DIR = "assets/base-models/demo"
 TOOL_MODEL_DIR = "assets/base-models/demo-tool"
+LONG_MODEL_DIR = "assets/base-models/demo-long"
+"""The demo model's own weights declared with a 1,024-token context (rotary positions: nothing to stretch), for
+runs over domains with longer prompts, such as a reasoning-gym pack: it shows the loop at scale, not learning."""
 TOOL_RUN_SPEC: dict[str, Any] = {
     "algorithm": {"learning_rate": 1e-4, "lora_rank": 0, "clip_low": 0.2, "clip_high": 0.2,
                   "updates_per_batch": 2, "micro_batch_size": 64},
@@ -99,19 +104,15 @@ class Command(BaseCommand):
         parser.add_argument("--start", action="store_true")
 
     def handle(self, *args: Any, **opts: Any) -> None:
-        from workers.policy.demo_model import DOMAINS, _split_pool
+        from workers.policy.demo_model import DOMAINS, build_demo_model
 
         User = get_user_model()
         owner, _ = User.objects.get_or_create(username=opts["user"], defaults={"is_staff": True, "is_superuser": True})
-        model_dir = settings.BASE_DIR / DEMO_MODEL_DIR
-        if not (model_dir / "config.json").exists():
-            from workers.policy.demo_model import build_demo_model
-
-            self.stdout.write(f"building the demo base model into {model_dir} (a few minutes, once) …")
-            build_demo_model(model_dir)
-        base_model, _ = BaseModel.objects.get_or_create(
-            owner=owner, name="demo", defaults={"path": DEMO_MODEL_DIR, "parameters": 1_084_288,
-                                                "description": "Tiny Qwen2 built by Temper (workers/policy/demo_model.py)"})
+        base_model = self.base_model(owner, "demo", DEMO_MODEL_DIR, build_demo_model,
+                                     "Tiny Qwen2 built by Temper (workers/policy/demo_model.py)")
+        self.base_model(owner, "demo-long", LONG_MODEL_DIR, None,
+                        "The demo model declared with a 1,024-token context, for domains with longer prompts (a "
+                        "reasoning-gym pack): it runs the loop at scale but has learned nothing past 64 positions")
         verifier, created = Verifier.objects.get_or_create(
             owner=owner, name="exact-answer",
             defaults={"kind": "exact_match", "config": {}, "description": "Exact match of the answer line"})
@@ -123,18 +124,9 @@ class Command(BaseCommand):
                 CalibrationReport.objects.create(verifier=verifier, status=CalibrationReport.Status.RUNNING))
             verifier.refresh_from_db()
             self.stdout.write(f"calibrated {verifier.name}: {verifier.calibration_status} {report.error}".rstrip())
-        domains = {}
-        for name in DOMAINS:
-            domain, created = TaskDomain.objects.get_or_create(
-                owner=owner, name=name, defaults={"kind": "answer", "verifier": verifier,
-                                                  "description": f"Demo domain: {name} (workers/policy/demo_model.py)"})
-            if created or domain.task_count == 0:
-                rows = [{"prompt": p, "answer": a, "split": split}
-                        for split in ("train", "heldout") for p, a in _split_pool(name, split)]  # type: ignore[arg-type]
-                lines = (json.dumps(r) for r in tqdm(rows, desc=f"import {name}", unit="task", leave=False))
-                result = do_import_tasks(domain, lines)
-                self.stdout.write(f"domain {name}: {result.imported} tasks ({result.heldout} held out)")
-            domains[name] = domain
+        domains = {name: self.domain_with_tasks(owner, name, pool_rows(name), {
+            "kind": "answer", "verifier": verifier,
+            "description": f"Demo domain: {name} (workers/policy/demo_model.py)"}) for name in DOMAINS}
         run = Run.objects.filter(owner=owner, name="demo: addition").first()
         if run is None:
             run = do_create_run(owner, name="demo: addition", base_model=base_model,
@@ -150,30 +142,15 @@ class Command(BaseCommand):
         """The tool demo: its base model, the ``product`` domain in the python_tool environment, and a draft
         run over it and over ``addition`` (answered in the model's head, single-turn): the run's evaluation has
         both layers, end-to-end episodes and capability items."""
-        from workers.policy.demo_tasks import _split_pool
+        from workers.policy.tool_demo_model import build_tool_demo_model
 
-        model_dir = settings.BASE_DIR / TOOL_MODEL_DIR
-        if not (model_dir / "config.json").exists():
-            from workers.policy.tool_demo_model import build_tool_demo_model
-
-            self.stdout.write(f"building the tool demo's base model into {model_dir} (a few minutes, once) …")
-            build_tool_demo_model(model_dir)
-        base_model, _ = BaseModel.objects.get_or_create(
-            owner=owner, name="demo-tool", defaults={
-                "path": TOOL_MODEL_DIR, "parameters": 1_084_288,
-                "description": "The demo model with a 128-token context, primed to call a Python tool "
-                               "(workers/policy/tool_demo_model.py)"})
-        domain, created = TaskDomain.objects.get_or_create(
-            owner=owner, name="product", defaults={
-                "kind": "answer", "verifier": verifier, "environment": "python_tool", "environment_params": {},
-                "description": "Two-digit times two-digit: beyond the demo model alone; it may run "
-                               "<py>code</py> in a sandbox session and read <out>…</out> before it answers"})
-        if created or domain.task_count == 0:
-            rows = [{"prompt": p, "answer": a, "split": split}
-                    for split in ("train", "heldout") for p, a in _split_pool("product", split)]  # type: ignore[arg-type]
-            lines = (json.dumps(r) for r in tqdm(rows, desc="import product", unit="task", leave=False))
-            result = do_import_tasks(domain, lines)
-            self.stdout.write(f"domain product: {result.imported} tasks ({result.heldout} held out)")
+        base_model = self.base_model(owner, "demo-tool", TOOL_MODEL_DIR, build_tool_demo_model,
+                                     "The demo model with a 128-token context, primed to call a Python tool "
+                                     "(workers/policy/tool_demo_model.py)")
+        domain = self.domain_with_tasks(owner, "product", pool_rows("product"), {
+            "kind": "answer", "verifier": verifier, "environment": "python_tool", "environment_params": {},
+            "description": "Two-digit times two-digit: beyond the demo model alone; it may run "
+                           "<py>code</py> in a sandbox session and read <out>…</out> before it answers"})
         if not Run.objects.filter(owner=owner, name="demo: tool use").exists():
             do_create_run(owner, name="demo: tool use", base_model=base_model,
                           domains=[DomainWeight(domain), DomainWeight(addition, weight=0.25)], spec=TOOL_RUN_SPEC,
@@ -184,29 +161,47 @@ class Command(BaseCommand):
         """The guess-the-number demo: its base model, the ``guess`` domain in the guess_number environment
         (1-15, four guesses, higher/lower feedback), and a draft run."""
         from workers.environments.guess_number import GuessNumber, demo_rows
+        from workers.policy.guess_demo_model import build_guess_demo_model
 
-        model_dir = settings.BASE_DIR / GUESS_MODEL_DIR
-        if not (model_dir / "config.json").exists():
-            from workers.policy.guess_demo_model import build_guess_demo_model
-
-            self.stdout.write(f"building the guess demo's base model into {model_dir} (a few minutes, once) …")
-            build_guess_demo_model(model_dir)
-        base_model, _ = BaseModel.objects.get_or_create(
-            owner=owner, name="demo-guess", defaults={
-                "path": GUESS_MODEL_DIR, "parameters": 1_084_288,
-                "description": "The demo model with a 128-token context, pre-trained on simulated players of "
-                               "guess the number (workers/policy/guess_demo_model.py)"})
-        domain, created = TaskDomain.objects.get_or_create(
-            owner=owner, name="guess", defaults={
-                "kind": "answer", "verifier": verifier, "environment": "guess_number", "environment_params": {},
-                "description": "Guess a number from 1 to 15 in four guesses; after each the user says higher or "
-                               "lower. The reward comes from the game's feedback, not from a tool"})
-        if created or domain.task_count == 0:
-            rows = demo_rows(GuessNumber.Params.model_validate({}))
-            result = do_import_tasks(domain, (json.dumps(r) for r in rows))
-            self.stdout.write(f"domain guess: {result.imported} tasks ({result.heldout} held out)")
+        base_model = self.base_model(owner, "demo-guess", GUESS_MODEL_DIR, build_guess_demo_model,
+                                     "The demo model with a 128-token context, pre-trained on simulated players "
+                                     "of guess the number (workers/policy/guess_demo_model.py)")
+        domain = self.domain_with_tasks(owner, "guess", lambda: demo_rows(GuessNumber.Params.model_validate({})), {
+            "kind": "answer", "verifier": verifier, "environment": "guess_number", "environment_params": {},
+            "description": "Guess a number from 1 to 15 in four guesses; after each the user says higher or "
+                           "lower. The reward comes from the game's feedback, not from a tool"})
         if not Run.objects.filter(owner=owner, name="demo: guess the number").exists():
             do_create_run(owner, name="demo: guess the number", base_model=base_model,
                           domains=[DomainWeight(domain)], spec=GUESS_RUN_SPEC,
                           description="Multi-turn GRPO on feedback: the model learns to use higher and lower to "
                                       "find the number. Start it from this page.")
+
+    def base_model(self, owner: Any, name: str, rel_dir: str, build: Callable[[Path], Any] | None,
+                   description: str) -> BaseModel:
+        """The demo base model ``name`` registered for ``owner``; its directory is built first when missing
+        (a few minutes, once; ``build`` None: it is committed, nothing to build)."""
+        model_dir = settings.BASE_DIR / rel_dir
+        if build is not None and not (model_dir / "config.json").exists():
+            self.stdout.write(f"building the base model {name} into {model_dir} (a few minutes, once) …")
+            build(model_dir)
+        model, _ = BaseModel.objects.get_or_create(
+            owner=owner, name=name, defaults={"path": rel_dir, "parameters": 1_084_288, "description": description})
+        return model
+
+    def domain_with_tasks(self, owner: Any, name: str, rows: Callable[[], Iterable[dict[str, Any]]],
+                          defaults: dict[str, Any]) -> TaskDomain:
+        """The demo domain ``name``, its tasks imported from ``rows()`` when it has none."""
+        domain, created = TaskDomain.objects.get_or_create(owner=owner, name=name, defaults=defaults)
+        if created or domain.task_count == 0:
+            lines = (json.dumps(r) for r in tqdm(list(rows()), desc=f"import {name}", unit="task", leave=False))
+            result = do_import_tasks(domain, lines)
+            self.stdout.write(f"domain {name}: {result.imported} tasks ({result.heldout} held out)")
+        return domain
+
+
+def pool_rows(name: str) -> Callable[[], list[dict[str, Any]]]:
+    """A demo domain's rows: its train and held-out pools (``demo_tasks._split_pool``) as JSONL rows."""
+    from workers.policy.demo_tasks import _split_pool
+
+    return lambda: [{"prompt": p, "answer": a, "split": split}
+                    for split in ("train", "heldout") for p, a in _split_pool(name, split)]  # type: ignore[arg-type]
