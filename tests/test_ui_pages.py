@@ -96,7 +96,7 @@ def test_run_page_carries_chart_config_and_metric_names(client_in: Client, busy_
     assert set(config["names"]) == {"custom_metric", "loss", "reward", "reward_mean", "trajectories_per_s"}
     assert config["allowed"]["pause"] == ["queued", "running"]
     html = response.content.decode()
-    assert "vendor/plotly/plotly.min.js" in html and "generation stalled" in html
+    assert "vendor/plotly/plotly-cartesian.min.js" in html and "generation stalled" in html
     assert 'id="btn-start"' in html and 'id="btn-pause" disabled' in html
 
 
@@ -110,7 +110,7 @@ def test_series_names_is_a_loose_index_scan_of_one_run(busy_run: Run, user: Any)
 def test_plotly_is_served_by_the_project(client_in: Client) -> None:
     from django.contrib.staticfiles import finders
 
-    path = finders.find("vendor/plotly/plotly.min.js")
+    path = finders.find("vendor/plotly/plotly-cartesian.min.js")
     assert path
     with open(path, encoding="utf-8") as f:
         assert "plotly" in f.read(2000).lower()

@@ -12,7 +12,6 @@ Environment variables (all optional):
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import secrets
 from pathlib import Path
@@ -141,9 +140,8 @@ USE_TZ = True
 STATIC_URL = "static/"
 STATIC_ROOT = VAR_DIR / "static"
 STATIC_ROOT.mkdir(parents=True, exist_ok=True)  # whitenoise warns about a missing root, even in DEBUG
-# plotly.js is served from the plotly package's own copy (no CDN, nothing vendored into the repository).
-PLOTLY_JS_DIR = Path(importlib.util.find_spec("plotly").origin or "").parent / "package_data"  # type: ignore[union-attr]
-STATICFILES_DIRS = [BASE_DIR / "webapp" / "static", ("vendor/plotly", PLOTLY_JS_DIR)]
+# plotly.js is served by the project (no CDN): its cartesian bundle, vendored in webapp/static/vendor/plotly/
+STATICFILES_DIRS = [BASE_DIR / "webapp" / "static"]
 
 # --- production hardening: on whenever DEBUG is off, so `check --deploy` is clean -------------
 if not DEBUG:
