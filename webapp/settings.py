@@ -181,8 +181,7 @@ SPECTACULAR_SETTINGS = {
 # --- Channels ----------------------------------------------------------------------------------
 CHANNEL_LAYERS = {
     "default": {
-        # webapp/common/channel_layer.py: redis-py 8's 5 s read timeout against the layer's 5 s blocking pop
-        "BACKEND": "webapp.common.channel_layer.ChannelLayer",
+        "BACKEND": "channels_redis.core.RedisChannelLayer",
         "CONFIG": {"hosts": [REDIS_URL], "capacity": 1000, "expiry": 60},
     }
 }
