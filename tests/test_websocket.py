@@ -47,6 +47,23 @@ async def test_owner_receives_metrics_with_sequence_numbers(redis_url, user):
     await comm.disconnect()
 
 
+async def test_an_idle_socket_stays_open_past_the_redis_read_timeout(redis_url, user):
+    """Nothing to send for longer than redis-py 8's default read timeout (5 s): the consumer keeps waiting
+    (with that default its channel-layer receive raised TimeoutError and the socket closed)."""
+    import asyncio
+
+    run = await sync_to_async(factories.run)(user)
+    comm = communicator(run.pk, user)
+    connected, _ = await comm.connect()
+    assert connected
+    assert await comm.receive_json_from(timeout=5) == {"type": "hello", "run": run.pk}
+    await asyncio.sleep(7)
+    assert await comm.receive_nothing(timeout=0.1)
+    await sync_to_async(emit)(run.pk, [Point("reward", 1, 0.25)])
+    assert (await comm.receive_json_from(timeout=5))["type"] == "metrics"
+    await comm.disconnect()
+
+
 async def test_other_users_and_anonymous_are_refused(redis_url, user, other_user):
     from django.contrib.auth.models import AnonymousUser
 
