@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import pytest_asyncio
 from asgiref.sync import sync_to_async
@@ -50,8 +52,6 @@ async def test_owner_receives_metrics_with_sequence_numbers(redis_url, user):
 async def test_an_idle_socket_stays_open_past_the_redis_read_timeout(redis_url, user):
     """Nothing to send for longer than redis-py 8's default read timeout (5 s): the consumer keeps waiting
     (with that default its channel-layer receive raised TimeoutError and the socket closed)."""
-    import asyncio
-
     run = await sync_to_async(factories.run)(user)
     comm = communicator(run.pk, user)
     connected, _ = await comm.connect()

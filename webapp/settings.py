@@ -179,9 +179,9 @@ SPECTACULAR_SETTINGS = {
 }
 
 # --- Channels ----------------------------------------------------------------------------------
-# socket_timeout=None: redis-py 8 gives every connection a 5 s read timeout, so a consumer's blocking pop
-# (channels_redis waits on BZPOPMIN for as long as nothing is sent) raised TimeoutError after 5 idle seconds
-# and the browser's websocket closed (redis-py #4091, channels_redis #422). None is redis-py 7's behaviour,
+# socket_timeout=None: redis-py 8 gives every connection a 5 s read timeout, the same 5 s channels_redis
+# blocks in each BZPOPMIN (its brpop_timeout), so an idle consumer's read timed out before the pop answered,
+# raised TimeoutError, and the browser's websocket closed (redis-py #4091, channels_redis #422). None is redis-py 7's behaviour,
 # which channels_redis is written for. A finite timeout above the pop (10 s was tried) left a refused
 # consumer's cancelled pop alive past the event loop's close: tests/test_websocket.py hung at teardown.
 CHANNEL_LAYERS = {
