@@ -4,6 +4,11 @@ that ratio (real Redis, real Celery workers, the torch engine, the same model an
 Bounded by steps, not seconds: after a warm-up (both runs past ``WARM`` steps: the start's one-off
 device time, the engine's load and the base model's evaluations, is behind them), the test waits until the
 run with share 2 has trained ``STEPS`` more steps and reads how many the other one trained meanwhile.
+
+The device goes to the runs in bursts (about 8 steps of one, then 4 of the other, as the decayed device
+seconds cross), so the window must hold several bursts: over 24 steps the smaller run's count depended on
+where the window fell (8-16 steps, ratio 1.5-3.1; CI once read 25:8); over 60 steps three runs read
+60:28, 60:31, 60:28.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from webapp.runs.models import Run
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
 WARM = 4
-STEPS = 24
+STEPS = 60
 SPEC = {
     "algorithm": {"learning_rate": 1e-3, "lora_rank": 8, "updates_per_batch": 1},
     "pipeline": {"group_size": 4, "batch_prompts": 4, "max_staleness": 1, "rollout_batch_prompts": 4},
@@ -68,4 +73,4 @@ def test_two_runs_progress_in_the_ratio_of_their_shares(start_worker, api, user)
     ratio = big_steps / max(small_steps, 1)
     print(f"shares 2:1 -> steps {big_steps}:{small_steps} after the warm-up (ratio {ratio:.2f})")
     assert small_steps >= 3, "the smaller share must still progress"
-    assert 1.3 <= ratio <= 3.0, (big_steps, small_steps)  # measured 1.5-2.0; without shares 0.55-1.0
+    assert 1.3 <= ratio <= 3.0, (big_steps, small_steps)  # measured 1.9-2.1; without shares 0.55-1.0
