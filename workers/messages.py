@@ -86,8 +86,9 @@ def generate_chunks(run_id: int, group_ids: list[int], size: int, attempts: dict
         generate(run_id, chunk, (attempts or {}).get(chunk[0], 0))
 
 
-def evaluate(run_id: int, version: int) -> None:
-    _send(EVALUATE, (run_id, version))
+def evaluate(run_id: int, version: int, offset: int = 0) -> None:
+    """A version's held-out sampling from task ``offset`` on (``heldout.sample`` chunks it)."""
+    _send(EVALUATE, (run_id, version, offset) if offset else (run_id, version))
 
 
 def train_step(run_id: int, step: int, countdown: float | None = None) -> None:

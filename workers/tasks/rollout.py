@@ -15,6 +15,7 @@ def generate(run_id: int, group_ids: list[int]) -> int:
 
 
 @app.task(name="workers.tasks.rollout.evaluate", ignore_result=True)
-def evaluate(run_id: int, version: int) -> int:
-    """Held-out evaluation of one version, the device half (scored on the verify queue)."""
-    return heldout.sample(run_id, version)
+def evaluate(run_id: int, version: int, offset: int = 0) -> int:
+    """Held-out evaluation of one version, the device half, a chunk from task ``offset`` on (scored on the
+    verify queue after the last chunk)."""
+    return heldout.sample(run_id, version, offset)
