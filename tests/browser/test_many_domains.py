@@ -21,8 +21,7 @@ PASSWORD = "correct horse battery staple"
 N = 100
 
 
-def test_a_hundred_domains_read_as_one_heatmap(browser: Any, live_server_proc: Any, django_user_model: Any) -> None:
-    user = django_user_model.objects.create_user("hana", password=PASSWORD)
+def hundred_domain_run(user: Any) -> tuple[Any, list[TaskDomain], list[Point]]:
     v = factories.verifier(user)
     domains = TaskDomain.objects.bulk_create([
         TaskDomain(owner=user, name=f"pack/d{i:03d}", kind="answer", verifier=v, pack="pack" if i < 60 else "other",
@@ -45,7 +44,13 @@ def test_a_hundred_domains_read_as_one_heatmap(browser: Any, live_server_proc: A
     for i, d in enumerate(domains[:60]):
         factories.evaluation(v0, d, [0.5] * 10)
         factories.evaluation(v1, d, [1.0] * (i % 10) + [0.0] * (10 - i % 10))
+    return run, domains, points
 
+
+def test_a_hundred_domains_read_as_one_heatmap(browser: Any, live_server_proc: Any, django_user_model: Any) -> None:
+    user = django_user_model.objects.create_user("hana", password=PASSWORD)
+    run, domains, points = hundred_domain_run(user)
+    v1 = PolicyVersion.objects.get(run=run, number=1)
     base = live_server_proc.url
     page = browser.new_page()
     page.set_default_timeout(30_000)
@@ -92,3 +97,54 @@ def test_a_hundred_domains_read_as_one_heatmap(browser: Any, live_server_proc: A
     page.click("#domains-next")
     assert page.locator("#evaluations tbody tr").count() == 10
     assert errors == []
+
+
+# when each chart was first drawn as a preview (SVG, canvas) and by plotly, in ms after navigation
+SEEN = """
+window.__seen = {};
+new MutationObserver(() => {
+  const mark = (key, sel) => { if (!window.__seen[key] && document.querySelector(sel)) window.__seen[key] = performance.now(); };
+  mark("linePreview", "#chart-reward .chart-preview"); mark("linePlotly", "#chart-reward .main-svg");
+  mark("heatPreview", "#heatmap canvas.chart-preview"); mark("heatPlotly", "#heatmap .main-svg");
+}).observe(document, {childList: true, subtree: true});
+"""
+
+
+def test_the_charts_are_drawn_before_plotly_has_run(browser: Any, live_server_proc: Any, django_user_model: Any) -> None:
+    """plotly.js (1.5 MB, one long parse) runs only after the first chart and the heatmap have their data:
+    until then the line charts are SVG and the heatmap a canvas of the same data, then plotly's charts
+    replace them. Without plotly at all, the previews stay and say why."""
+    user = django_user_model.objects.create_user("iris", password=PASSWORD)
+    run, _, _ = hundred_domain_run(user)
+    base = live_server_proc.url
+
+    page = browser.new_page()
+    page.set_default_timeout(30_000)
+    log_in(page, base, "iris", PASSWORD)
+    page.route("**/plotly-cartesian.min.js", lambda route: route.abort())
+    page.goto(f"{base}/runs/{run.pk}/")
+    page.wait_for_function("window.temperLoaded === true")
+    page.wait_for_function("document.getElementById('heatmap').dataset.preview === '1'")
+    # the run-wide reward_mean series: 200 steps, one line of 200 vertices, its range on the axis
+    path = page.get_attribute("#chart-reward .chart-preview path[stroke-width]", "d")
+    assert path.count("M") == 1 and path.count("L") == 199, path[:200]
+    labels = page.locator("#chart-reward .chart-preview text").all_text_contents()
+    assert {"1", "200", "step"} <= set(labels), labels
+    canvas = page.evaluate("(() => { const c = document.querySelector('#heatmap canvas.chart-preview');"
+                           " return [c.style.height, document.getElementById('chart-reward').dataset.points]; })()")
+    assert canvas == [f"{60 + 14 * N}px", "0"]  # a row per domain; data-points stays plotly's
+    assert "plotly.js did not load" in page.inner_text("#heatmap-named")
+    page.close()
+
+    page = browser.new_page()
+    page.set_default_timeout(30_000)
+    page.add_init_script(SEEN)
+    log_in(page, base, "iris", PASSWORD)
+    page.goto(f"{base}/runs/{run.pk}/")
+    page.wait_for_function("document.getElementById('heatmap').dataset.rows === '100' && "
+                           "document.getElementById('chart-reward').dataset.points === '200'")
+    seen = page.evaluate("window.__seen")
+    assert seen["heatPreview"] < seen["heatPlotly"], seen  # plotly runs after the heatmap's data is drawn
+    assert page.locator(".chart-preview").count() == 0  # every preview was replaced by plotly's chart
+    assert page.locator("#chart-reward .main-svg").count() > 0 and page.locator("#heatmap .main-svg").count() > 0
+    print("first drawn (ms after navigation):", {k: round(v) for k, v in seen.items()})

@@ -7,6 +7,10 @@
  * - Redraws are batched (at most ~4 a second) and keep zoom, pan and legend selection (uirevision).
  * - Smoothing is a debiased exponential moving average, applied at draw time; raw points are kept.
  * - With many domains (opts.overall) a chart draws only the run-wide series; heatmap.js draws the domains.
+ * - On the run page plotly.js (1.5 MB: its parse is one 0.3-0.6 s long task on a busy machine) runs only
+ *   after the first chart has its data (loadPlotly): until then a chart is drawn as a plain SVG of the same
+ *   lines (axes, ticks, smoothing), then redrawn by plotly; data-points and onDrawn stay plotly's
+ *   (data-preview marks the SVG one).
  */
 (function (global) {
   "use strict";
@@ -35,6 +39,85 @@
     names.forEach(n => q.append("name", n));
     Object.entries(extra || {}).forEach(([k, v]) => { if (v !== undefined && v !== null) q.set(k, String(v)); });
     return "/api/v1/metrics/?" + q.toString();
+  }
+
+  // plotly.js on the run page: preloaded by the template, run only when loadPlotly() is called (run.js calls
+  // it once the first chart is drawn), since its parse is one long task that would hold every fetch's answer.
+  let plotlyResolve = null, plotlyReject = null, plotlyStarted = false;
+  const plotlyPromise = new Promise((resolve, reject) => { plotlyResolve = resolve; plotlyReject = reject; });
+  plotlyPromise.catch(() => {});  // a page that never needs it does not report it
+
+  /** Resolves with window.Plotly once it has run. */
+  function plotlyReady() { return global.Plotly ? Promise.resolve(global.Plotly) : plotlyPromise; }
+
+  /** Run the preloaded plotly.js (link#plotly-preload), once. */
+  function loadPlotly() {
+    if (global.Plotly) { plotlyResolve(global.Plotly); return plotlyPromise; }
+    if (plotlyStarted) return plotlyPromise;
+    plotlyStarted = true;
+    const link = document.getElementById("plotly-preload");
+    if (!link) { plotlyReject(new Error("plotly.js is not on this page")); return plotlyPromise; }
+    const tag = document.createElement("script");
+    tag.src = link.href;
+    tag.onload = () => plotlyResolve(global.Plotly);
+    tag.onerror = () => plotlyReject(new Error("plotly.js did not load"));
+    document.head.append(tag);
+    return plotlyPromise;
+  }
+
+  function tickLabel(v) {
+    if (!Number.isFinite(v)) return "";
+    const a = Math.abs(v);
+    return a !== 0 && (a >= 1e5 || a < 1e-3) ? v.toExponential(1) : String(Number(v.toPrecision(3)));
+  }
+
+  /** The lines of ``traces`` as one SVG (the shape of plotly's chart, without its interaction). */
+  function previewSvg(traces, def, width, height) {
+    const NS = "http://www.w3.org/2000/svg";
+    const L = 48, R = 10, T = 8, B = 32;
+    const ty = def.log ? (v => (v > 0 ? Math.log10(v) : NaN)) : (v => v);
+    let x0 = Infinity, x1 = -Infinity, y0 = Infinity, y1 = -Infinity;
+    for (const t of traces) {
+      t.x.forEach((x, i) => {
+        const y = ty(t.y[i]);
+        if (!Number.isFinite(x) || !Number.isFinite(y)) return;
+        x0 = Math.min(x0, x); x1 = Math.max(x1, x); y0 = Math.min(y0, y); y1 = Math.max(y1, y);
+      });
+    }
+    if (!Number.isFinite(x0)) return null;
+    if (def.range) { y0 = def.range[0]; y1 = def.range[1]; }  // plotly's units: log10 on a log axis
+    if (x1 === x0) { x0 -= 1; x1 += 1; }
+    if (y1 === y0) { y0 -= 0.5; y1 += 0.5; }
+    const sx = x => L + (x - x0) / (x1 - x0) * (width - L - R);
+    const sy = y => T + (1 - (y - y0) / (y1 - y0)) * (height - T - B);
+    const el = (name, attrs, text) => {
+      const node = document.createElementNS(NS, name);
+      Object.entries(attrs).forEach(([k, v]) => node.setAttribute(k, String(v)));
+      if (text !== undefined) node.textContent = text;
+      return node;
+    };
+    const svg = el("svg", {class: "chart-preview", width: width, height: height, viewBox: `0 0 ${width} ${height}`,
+                           role: "img", "aria-label": "chart (interactive once plotly has loaded)"});
+    svg.append(el("path", {d: `M${L},${T}V${height - B}H${width - R}`, stroke: "#c8ccd2", fill: "none"}));
+    const label = def.log ? (v => tickLabel(Math.pow(10, v))) : tickLabel;
+    for (const y of [y0, (y0 + y1) / 2, y1]) {
+      svg.append(el("text", {x: L - 4, y: sy(y) + 3, "text-anchor": "end", "font-size": 10, fill: "#555"}, label(y)));
+    }
+    for (const [x, anchor] of [[x0, "start"], [x1, "end"]]) {
+      svg.append(el("text", {x: sx(x), y: height - B + 13, "text-anchor": anchor, "font-size": 10, fill: "#555"}, tickLabel(x)));
+    }
+    svg.append(el("text", {x: (L + width - R) / 2, y: height - 4, "text-anchor": "middle", "font-size": 11, fill: "#444"}, "step"));
+    for (const t of traces) {
+      let d = "", pen = "M";
+      t.x.forEach((x, i) => {
+        const y = ty(t.y[i]);
+        if (!Number.isFinite(x) || !Number.isFinite(y)) { pen = "M"; return; }
+        d += pen + sx(x).toFixed(1) + "," + sy(Math.min(y1, Math.max(y0, y))).toFixed(1);
+        pen = "L";
+      });
+      svg.append(el("path", {d: d, stroke: t.line.color, "stroke-width": t.line.width, fill: "none"}));
+    }
+    return svg;
   }
 
   async function getJSON(url) {
@@ -180,6 +263,18 @@
       if (empty) empty.remove();
       const card = this.el.closest(".chart-card");
       if (card) card.hidden = false;
+      if (!global.Plotly) {  // plotly still loading: the same lines as SVG now, plotly's chart when it is in
+        const svg = previewSvg(traces, d, this.el.clientWidth || 600, layout.height);
+        const old = this.el.querySelector(".chart-preview");
+        if (svg) { if (old) old.replaceWith(svg); else this.el.append(svg); this.el.dataset.preview = "1"; }
+        if (!this.awaitingPlotly) {
+          this.awaitingPlotly = true;
+          plotlyReady().then(() => { this.dirty = true; this.draw(); }, err => { this.el.title = err.message; });
+        }
+        return;
+      }
+      const preview = this.el.querySelector(".chart-preview");
+      if (preview) { preview.remove(); delete this.el.dataset.preview; }
       const seq = this.maxSeq;
       const first = !this.drawn;
       this.drawn = true;
@@ -277,5 +372,5 @@
   }
 
   global.TemperCharts = {Chart: Chart, LiveStream: LiveStream, ema: ema, getJSON: getJSON, metricsUrl: metricsUrl,
-                         COLORS: COLORS, MAX_POINTS: MAX_POINTS};
+                         plotlyReady: plotlyReady, loadPlotly: loadPlotly, COLORS: COLORS, MAX_POINTS: MAX_POINTS};
 })(window);

@@ -4,6 +4,7 @@
  * - Sorts rows by name, by last value or by gain (last − first), in the browser; names the most improved
  *   and most regressed domains (from the server's answer).
  * - Live: a websocket point of the shown metric schedules a reload, at most one every 3 s.
+ * - Until plotly has run (charts.js: it runs after the first chart), the cells are drawn on a canvas.
  */
 (function (global) {
   "use strict";
@@ -52,6 +53,7 @@
 
     draw() {
       if (!this.data) return;
+
       const rows = this.rows(), d = this.data;
       const fmt = g => (g > 0 ? "+" : "") + g.toFixed(3);
       const named = [];
@@ -61,6 +63,16 @@
       const empty = this.el.querySelector(".chart-empty");
       if (!d.steps.length) return;
       if (empty) empty.remove();
+      if (!global.Plotly) {  // plotly has not run yet (charts.js): the same cells on a canvas until it has
+        this.preview(rows);
+        if (!this.awaitingPlotly) {
+          this.awaitingPlotly = true;
+          global.TemperCharts.plotlyReady().then(() => this.draw(), err => { this.opts.named.textContent = err.message; });
+        }
+        return;
+      }
+      const old = this.el.querySelector(".chart-preview");
+      if (old) { old.remove(); delete this.el.dataset.preview; }
       const trace = {
         type: "heatmap", z: rows.map(r => r.values), x: d.steps, y: rows.map(r => r.name),
         zmin: 0, zmax: 1, colorscale: "Viridis", hoverongaps: false, xgap: 0, ygap: 1,
@@ -82,6 +94,53 @@
       });
     }
   }
+
+  // plotly's Viridis, for the canvas preview
+  const VIRIDIS = ["#440154", "#48186a", "#472d7b", "#424086", "#3b528b", "#33638d", "#2c728e", "#26828e", "#21918c",
+                   "#1fa088", "#28ae80", "#3fbc73", "#5ec962", "#84d44b", "#addc30", "#d8e219", "#fde725"]
+    .map(h => [1, 3, 5].map(i => parseInt(h.slice(i, i + 2), 16)));
+
+  function viridis(z) {
+    const t = Math.min(1, Math.max(0, z)) * (VIRIDIS.length - 1), i = Math.min(VIRIDIS.length - 2, Math.floor(t));
+    const f = t - i, a = VIRIDIS[i], b = VIRIDIS[i + 1];
+    return "rgb(" + a.map((v, k) => Math.round(v + (b[k] - v) * f)).join(",") + ")";
+  }
+
+  /** The heatmap's cells on a canvas, names on the left, steps below: what plotly draws, without hover. */
+  Heatmap.prototype.preview = function (rows) {
+    const steps = this.data.steps, width = this.el.clientWidth || 800;
+    const height = Math.max(220, 60 + 14 * rows.length), T = 8, B = 36, R = 10;
+    const canvas = document.createElement("canvas");
+    canvas.className = "chart-preview";
+    const scale = global.devicePixelRatio || 1;
+    canvas.width = width * scale; canvas.height = height * scale;
+    canvas.style.width = width + "px"; canvas.style.height = height + "px";
+    const ctx = canvas.getContext("2d");
+    ctx.scale(scale, scale);
+    ctx.font = "10px sans-serif";
+    const L = 6 + Math.min(width / 3, Math.max(0, ...rows.map(r => ctx.measureText(r.name).width)));
+    const cw = (width - L - R) / steps.length, ch = (height - T - B) / rows.length;
+    ctx.fillStyle = "#444"; ctx.textAlign = "right"; ctx.textBaseline = "middle";
+    rows.forEach((r, i) => {
+      ctx.fillText(r.name, L - 4, T + (i + 0.5) * ch, L - 6);
+      r.values.forEach((z, j) => {
+        if (z === null || z === undefined) return;
+        ctx.fillStyle = viridis(z);
+        ctx.fillRect(L + j * cw, T + i * ch, Math.ceil(cw), Math.max(1, ch - 1));
+      });
+      ctx.fillStyle = "#444";
+    });
+    ctx.textBaseline = "top";
+    [[0, "left"], [steps.length - 1, "right"]].forEach(([j, align]) => {
+      ctx.textAlign = align;
+      ctx.fillText(String(steps[j]), align === "left" ? L : width - R, height - B + 4);
+    });
+    ctx.textAlign = "center";
+    ctx.fillText("step", (L + width - R) / 2, height - B + 18);
+    const old = this.el.querySelector(".chart-preview");
+    if (old) old.replaceWith(canvas); else this.el.append(canvas);
+    this.el.dataset.preview = "1";
+  };
 
   global.TemperHeatmap = Heatmap;
 })(window);

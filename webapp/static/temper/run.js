@@ -33,7 +33,8 @@
     onDrawn: () => { window.temperDrawn.push({chart: "heatmap", seq: 0, t: Date.now()}); },
   }) : null;
   window.temperHeatmap = heatmap;
-  if (heatmap) heatmap.load().catch(err => { document.getElementById("chart-note").textContent = "heatmap: " + err.message; });
+  const heatmapLoaded = heatmap ? heatmap.load().catch(err => { document.getElementById("chart-note").textContent = "heatmap: " + err.message; })
+    : Promise.resolve();
 
   const stream = new LiveStream(runId, {
     points: points => {
@@ -46,18 +47,26 @@
 
   // Load the charts one after another (the first draws first), then go live from the lowest loaded seq;
   // every chart ignores points it already has, so nothing is drawn twice.
+  // plotly.js runs once the first chart with points and the heatmap are drawn (as SVG and canvas, charts.js
+  // and heatmap.js), or once every chart is loaded: its parse is one long task that would hold their answers.
   (async function loadAll() {
-    let first = null;
+    let first = null, plotlyQueued = false;
     for (const c of charts) {
       try {
         const seq = await c.load(null);
         if (first === null && seq !== undefined) first = seq;
         if (first === null) first = 0;
         if (stream.contiguous === null) stream.start(first);
+        c.draw();
       } catch (err) {
         document.getElementById("chart-note").textContent = "could not load a chart: " + err.message;
       }
+      if (!plotlyQueued && (c.el.dataset.preview === "1" || c.drawn)) {
+        plotlyQueued = true;
+        heatmapLoaded.then(() => window.TemperCharts.loadPlotly());
+      }
     }
+    window.TemperCharts.loadPlotly();
     if (stream.contiguous === null) stream.start(0);
     window.temperLoaded = true;
   })();
