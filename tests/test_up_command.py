@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -66,6 +67,17 @@ def test_up_serves_pages_and_ctrl_c_stops_everything(tmp_path: Path):
         assert urllib.request.urlopen(f"http://127.0.0.1:{port}/admin/login/").status == 200
         children = descendants(proc.pid)
         assert len(children) >= 5  # redis, daphne, three celery workers (and their pool processes)
+        # the heavy workers (and their pool processes) yield the CPU to the web server and the control worker
+        niceness = {}
+        for pid in children:
+            with contextlib.suppress(OSError):
+                fields = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
+                cmdline = (Path("/proc") / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+                niceness[cmdline] = int(fields[16])  # the 19th field of /proc/PID/stat
+        by_role = {role: {n for cmd, n in niceness.items() if marker in cmd}
+                   for role, marker in (("gpu", "gpu@%h"), ("sandbox", "sandbox@%h"), ("control", "control@%h"),
+                                        ("web", "daphne"))}
+        assert by_role == {"gpu": {10}, "sandbox": {10}, "control": {0}, "web": {0}}, by_role
     finally:
         os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
         proc.wait(60)
