@@ -158,6 +158,29 @@ def test_a_large_evaluation_takes_turns_with_training(loop_workers, api, user):
     ids = list(v0.order_by("id").values_list("id", flat=True))
     between = Trajectory.objects.filter(run_id=run_id, is_eval=False, id__gt=ids[0], id__lt=ids[-1])
     assert between.exists(), "the evaluation held the device until it was done"
+    # pass@2 of the same version: chunks of 32 tasks, each sent the evaluation's k
+    v0_id = PolicyVersion.objects.get(run_id=run_id, number=0).pk
+    response = api.post(f"/api/v1/policy-versions/{v0_id}/evaluate/", {"samples": 2}, format="json")
+    assert response.status_code in (200, 202), response.content
+    deadline = time.monotonic() + 180
+    while Evaluation.objects.filter(version_id=v0_id, status="done", n_samples=2).count() < 2:
+        assert time.monotonic() < deadline, list(Evaluation.objects.values_list("domain__name", "status", "n_samples"))
+        time.sleep(0.3)
+    for evaluation in Evaluation.objects.filter(version_id=v0_id):
+        assert evaluation.n_tasks == 100 and len(evaluation.results["tasks"]) == 100 and not evaluation.results["greedy"]
+    assert Trajectory.objects.filter(run_id=run_id, is_eval=True, group_key__startswith="eval-v0-k2-").count() == 400
+
+
+def test_an_evaluation_chunk_delivered_twice_sends_its_successor_once(redis_url):
+    """A chunk's worker may die after queueing the next chunk and before the ack: the redelivered chunk
+    samples again (its rows are idempotent) but must not fork the chain (real Redis)."""
+    import uuid
+
+    from webapp.runs.loop.heldout import _claim
+
+    chain = uuid.uuid4().hex
+    assert _claim(chain, "64") and not _claim(chain, "64")
+    assert _claim(chain, "128") and _claim(uuid.uuid4().hex, "64")  # another step, another evaluation
 
 
 def test_pause_keeps_work_and_resume_continues(loop_workers, api, user):

@@ -104,7 +104,6 @@ SEEN = """
 window.__seen = {};
 new MutationObserver(() => {
   const mark = (key, sel) => { if (!window.__seen[key] && document.querySelector(sel)) window.__seen[key] = performance.now(); };
-  mark("linePreview", "#chart-reward .chart-preview"); mark("linePlotly", "#chart-reward .main-svg");
   mark("heatPreview", "#heatmap canvas.chart-preview"); mark("heatPlotly", "#heatmap .main-svg");
 }).observe(document, {childList: true, subtree: true});
 """
@@ -133,7 +132,7 @@ def test_the_charts_are_drawn_before_plotly_has_run(browser: Any, live_server_pr
     canvas = page.evaluate("(() => { const c = document.querySelector('#heatmap canvas.chart-preview');"
                            " return [c.style.height, document.getElementById('chart-reward').dataset.points]; })()")
     assert canvas == [f"{60 + 14 * N}px", "0"]  # a row per domain; data-points stays plotly's
-    assert "plotly.js did not load" in page.inner_text("#heatmap-named")
+    page.wait_for_function("document.getElementById('heatmap-named').textContent.includes('plotly.js did not load')")
     page.close()
 
     page = browser.new_page()

@@ -4,7 +4,9 @@
 when an evaluation was requested that way (pass@k) — stored as evaluation samples (``Trajectory.is_eval``).
 It runs in chunks of about one generation task's size (``chunk_tasks``), each its own message queued
 behind the work already waiting, so a large evaluation (a pack of 77 domains x 50 tasks is 3,850
-generations) takes turns with training instead of holding the device for minutes. ``score`` (verify queue): judge them; a task's score is its sample's reward
+generations) takes turns with training instead of holding the device for minutes. The first chunk fixes
+the evaluation's k and names its chain; each later chunk carries both, and a chunk delivered twice (its
+worker died before the ack) does not send its successor twice (``_claim``). ``score`` (verify queue): judge them; a task's score is its sample's reward
 (greedy), or 1 when any of its completions passes (pass@k); invalid verdicts are left out and counted. Each
 domain's ``Evaluation`` gets the per-task scores (``results["tasks"]``, what comparisons pair on); greedy
 scores become ``heldout_reward`` points, and a greedy overall score at the run's target completes it.
@@ -39,18 +41,33 @@ from workers.policy.chat import prompt_text
 EVAL_CHUNK_MIN_SEQUENCES = 64
 """A chunk holds at least this many sequences, so a small rollout batch does not split an evaluation
 into many messages of a few generations each."""
+EVAL_CHUNK_MIN_TASKS = 8
+"""And at least this many tasks, so pass@64 does not send a message per task or two."""
 
 
 def chunk_tasks(spec: RunSpec, samples: int) -> int:
     """Held-out tasks per ``sample`` chunk: about one generation task's sequences (rollout prompts x G)."""
     sequences = max(EVAL_CHUNK_MIN_SEQUENCES, spec.pipeline.rollout_batch_prompts * spec.pipeline.group_size)
-    return max(1, sequences // max(1, samples))
+    return max(EVAL_CHUNK_MIN_TASKS, sequences // max(1, samples))
 
 
-def sample(run_id: int, version: int, offset: int = 0) -> int:
+def _claim(chain: str, step: str) -> bool:
+    """True the first time ``step`` of ``chain`` is claimed (Redis SET NX, kept a day); True where Redis
+    cannot answer (the chain goes on: its rows are idempotent, a second scoring rewrites the same)."""
+    try:
+        return bool(live._redis().set(f"temper:eval-chain:{chain}:{step}", 1, nx=True, ex=86400))
+    except Exception:
+        return True
+
+
+def sample(run_id: int, version: int, offset: int = 0, samples: int | None = None, chain: str = "") -> int:
     """The device half: sample the held-out tasks of chunk ``offset`` (an index into every domain's tasks,
     single-turn domains first) under ``version``; queue the next chunk behind the waiting work, or after
-    the last one, their scoring."""
+    the last one, their scoring. The first chunk (``samples`` None) reads k from the pending request; the
+    later ones are sent it. ``chain`` names the evaluation (the first message's task id, which a
+    redelivery keeps)."""
+    import uuid
+
     from workers.policy import resident
 
     run = Run.objects.select_related("base_model").filter(pk=run_id).first()
@@ -63,8 +80,12 @@ def sample(run_id: int, version: int, offset: int = 0) -> int:
     else:
         return 0
     spec = RunSpec.model_validate(run.spec)
-    k = max(Evaluation.objects.filter(version=version_row, suite="heldout", status=Evaluation.Status.PENDING)
-            .values_list("n_samples", flat=True), default=1)
+    if samples is None:
+        k = max(Evaluation.objects.filter(version=version_row, suite="heldout", status=Evaluation.Status.PENDING)
+                .values_list("n_samples", flat=True), default=1)
+        chain = chain or uuid.uuid4().hex
+    else:
+        k = samples
     per_domain = []
     for rd in run.run_domains.select_related("domain"):
         tasks = list(Task.objects.filter(domain=rd.domain, split=Task.Split.HELDOUT).order_by("id")[: spec.eval_tasks])
@@ -108,7 +129,10 @@ def sample(run_id: int, version: int, offset: int = 0) -> int:
                                    **counts(record["turns"])))
     Trajectory.objects.bulk_create(rows, ignore_conflicts=True)
     if end < len(single) + len(episodic):  # behind the generation and training already queued
-        messages.evaluate(run_id, version, end)
+        if _claim(chain, str(end)):
+            messages.evaluate(run_id, version, end, k, chain)
+        return len(rows)
+    if not _claim(chain, "score"):
         return len(rows)
     for rd, domain_tasks in per_domain:
         Evaluation.objects.update_or_create(version=version_row, domain=rd.domain, suite="heldout", defaults={

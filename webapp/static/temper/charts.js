@@ -228,7 +228,8 @@
     touch() {
       this.dirty = true;
       if (this.timer || this.opts.paused()) return;
-      this.timer = setTimeout(() => { this.timer = null; this.draw(); }, this.drawn ? REDRAW_MS : 0);
+      const shown = this.drawn || this.el.dataset.preview === "1";  // the first draw at once, then batched
+      this.timer = setTimeout(() => { this.timer = null; this.draw(); }, shown ? REDRAW_MS : 0);
     }
 
     points() { let n = 0; this.series.forEach(s => { n += s.x.length; }); return n; }

@@ -66,7 +66,10 @@
         heatmapLoaded.then(() => window.TemperCharts.loadPlotly());
       }
     }
-    window.TemperCharts.loadPlotly();
+    if (!plotlyQueued) {  // no chart has points: run plotly once the heatmap is drawn (or has had 3 s)
+      await Promise.race([heatmapLoaded, new Promise(resolve => setTimeout(resolve, 3000))]);
+      window.TemperCharts.loadPlotly();
+    }
     if (stream.contiguous === null) stream.start(0);
     window.temperLoaded = true;
   })();
