@@ -18,12 +18,17 @@ from tests.conftest import ROOT, free_port
 pytestmark = pytest.mark.slow
 
 
+def stat(pid: int | str) -> list[str]:
+    """/proc/PID/stat from its third field on (state, ppid, ...): the name before them may hold spaces."""
+    return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
+
+
 def descendants(pid: int) -> set[int]:
     children: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                ppid = int(stat(entry.name)[1])
             except (OSError, IndexError, ValueError):
                 continue
             children.setdefault(ppid, []).append(int(entry.name))
@@ -38,7 +43,7 @@ def descendants(pid: int) -> set[int]:
 
 def alive(pid: int) -> bool:
     try:
-        state = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        state = stat(pid)[0]
     except OSError:
         return False
     return state != "Z"
@@ -71,9 +76,8 @@ def test_up_serves_pages_and_ctrl_c_stops_everything(tmp_path: Path):
         niceness = {}
         for pid in children:
             with contextlib.suppress(OSError):
-                fields = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
                 cmdline = (Path("/proc") / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-                niceness[cmdline] = int(fields[16])  # the 19th field of /proc/PID/stat
+                niceness[cmdline] = int(stat(pid)[16])  # the 19th field of /proc/PID/stat
         by_role = {role: {n for cmd, n in niceness.items() if marker in cmd}
                    for role, marker in (("gpu", "gpu@%h"), ("sandbox", "sandbox@%h"), ("control", "control@%h"),
                                         ("web", "daphne"))}

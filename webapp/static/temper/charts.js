@@ -7,8 +7,9 @@
  * - Redraws are batched (at most ~4 a second) and keep zoom, pan and legend selection (uirevision).
  * - Smoothing is a debiased exponential moving average, applied at draw time; raw points are kept.
  * - With many domains (opts.overall) a chart draws only the run-wide series; heatmap.js draws the domains.
- * - On the run page plotly.js (1.5 MB: its parse is one 0.3-0.6 s long task on a busy machine) runs only
- *   after the first chart has its data (loadPlotly): until then a chart is drawn as a plain SVG of the same
+ * - On the run page plotly.js (1.5 MB: its parse is one 0.3-0.9 s long task on a busy machine) runs only
+ *   after the first chart with points and the heatmap have their data (loadPlotly, called by run.js): until
+ *   then a chart is drawn as a plain SVG of the same
  *   lines (axes, ticks, smoothing), then redrawn by plotly; data-points and onDrawn stay plotly's
  *   (data-preview marks the SVG one).
  */
@@ -41,8 +42,8 @@
     return "/api/v1/metrics/?" + q.toString();
   }
 
-  // plotly.js on the run page: preloaded by the template, run only when loadPlotly() is called (run.js calls
-  // it once the first chart is drawn), since its parse is one long task that would hold every fetch's answer.
+  // plotly.js on the run page: preloaded by the template, run only when loadPlotly() is called (by run.js),
+  // since its parse is one long task that would hold every fetch's answer.
   let plotlyResolve = null, plotlyReject = null, plotlyStarted = false;
   const plotlyPromise = new Promise((resolve, reject) => { plotlyResolve = resolve; plotlyReject = reject; });
   plotlyPromise.catch(() => {});  // a page that never needs it does not report it
@@ -63,6 +64,25 @@
     tag.onerror = () => plotlyReject(new Error("plotly.js did not load"));
     document.head.append(tag);
     return plotlyPromise;
+  }
+
+  /** Put ``node`` (an SVG or canvas preview) in ``el`` in place of the one there. */
+  function showPreview(el, node) {
+    const old = el.querySelector(".chart-preview");
+    if (old) old.replaceWith(node); else el.append(node);
+    el.dataset.preview = "1";
+  }
+
+  function clearPreview(el) {
+    const old = el.querySelector(".chart-preview");
+    if (old) { old.remove(); delete el.dataset.preview; }
+  }
+
+  /** Call ``redraw`` once plotly has run (once per ``owner``, however often it is asked). */
+  function redrawWithPlotly(owner, redraw, onError) {
+    if (owner.awaitingPlotly) return;
+    owner.awaitingPlotly = true;
+    plotlyReady().then(redraw, onError);
   }
 
   function tickLabel(v) {
@@ -266,16 +286,11 @@
       if (card) card.hidden = false;
       if (!global.Plotly) {  // plotly still loading: the same lines as SVG now, plotly's chart when it is in
         const svg = previewSvg(traces, d, this.el.clientWidth || 600, layout.height);
-        const old = this.el.querySelector(".chart-preview");
-        if (svg) { if (old) old.replaceWith(svg); else this.el.append(svg); this.el.dataset.preview = "1"; }
-        if (!this.awaitingPlotly) {
-          this.awaitingPlotly = true;
-          plotlyReady().then(() => { this.dirty = true; this.draw(); }, err => { this.el.title = err.message; });
-        }
+        if (svg) showPreview(this.el, svg);
+        redrawWithPlotly(this, () => { this.dirty = true; this.draw(); }, err => { this.el.title = err.message; });
         return;
       }
-      const preview = this.el.querySelector(".chart-preview");
-      if (preview) { preview.remove(); delete this.el.dataset.preview; }
+      clearPreview(this.el);
       const seq = this.maxSeq;
       const first = !this.drawn;
       this.drawn = true;
@@ -373,5 +388,6 @@
   }
 
   global.TemperCharts = {Chart: Chart, LiveStream: LiveStream, ema: ema, getJSON: getJSON, metricsUrl: metricsUrl,
-                         plotlyReady: plotlyReady, loadPlotly: loadPlotly, COLORS: COLORS, MAX_POINTS: MAX_POINTS};
+                         plotlyReady: plotlyReady, loadPlotly: loadPlotly, showPreview: showPreview,
+                         clearPreview: clearPreview, redrawWithPlotly: redrawWithPlotly, COLORS: COLORS, MAX_POINTS: MAX_POINTS};
 })(window);

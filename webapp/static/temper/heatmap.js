@@ -53,7 +53,6 @@
 
     draw() {
       if (!this.data) return;
-
       const rows = this.rows(), d = this.data;
       const fmt = g => (g > 0 ? "+" : "") + g.toFixed(3);
       const named = [];
@@ -63,16 +62,13 @@
       const empty = this.el.querySelector(".chart-empty");
       if (!d.steps.length) return;
       if (empty) empty.remove();
+      const charts = global.TemperCharts;
       if (!global.Plotly) {  // plotly has not run yet (charts.js): the same cells on a canvas until it has
         this.preview(rows);
-        if (!this.awaitingPlotly) {
-          this.awaitingPlotly = true;
-          global.TemperCharts.plotlyReady().then(() => this.draw(), err => { this.opts.named.textContent = err.message; });
-        }
+        charts.redrawWithPlotly(this, () => this.draw(), err => { this.opts.named.textContent = err.message; });
         return;
       }
-      const old = this.el.querySelector(".chart-preview");
-      if (old) { old.remove(); delete this.el.dataset.preview; }
+      charts.clearPreview(this.el);
       const trace = {
         type: "heatmap", z: rows.map(r => r.values), x: d.steps, y: rows.map(r => r.name),
         zmin: 0, zmax: 1, colorscale: "Viridis", hoverongaps: false, xgap: 0, ygap: 1,
@@ -137,9 +133,7 @@
     });
     ctx.textAlign = "center";
     ctx.fillText("step", (L + width - R) / 2, height - B + 18);
-    const old = this.el.querySelector(".chart-preview");
-    if (old) old.replaceWith(canvas); else this.el.append(canvas);
-    this.el.dataset.preview = "1";
+    global.TemperCharts.showPreview(this.el, canvas);
   };
 
   global.TemperHeatmap = Heatmap;
