@@ -124,6 +124,82 @@ def test_a_short_run_completes_and_the_counts_add_up(loop_workers, api, user):
     assert Trajectory.objects.filter(run=run, is_eval=True, verdict="pending").count() == 0
 
 
+def test_a_large_evaluation_takes_turns_with_training(loop_workers, api, user):
+    """Version 0's evaluation of 2 domains x 100 held-out tasks runs in chunks of 64 sequences
+    (``pipeline.eval_chunk``),
+    each queued behind the waiting generation: training rows are written between its chunks, not after
+    all of it, and every task is still scored once, per domain."""
+    from workers.policy.demo_tasks import _split_pool
+
+    verifier = factories.verifier(user, name="exact-chunks")
+    domains = []
+    for name in ("addition", "multiplication"):
+        domain = TaskDomain.objects.create(owner=user, name=name, kind="answer", verifier=verifier)
+        rows = [{"prompt": p, "answer": a, "split": s} for s in ("train", "heldout")
+                for p, a in _split_pool(name, s)[:100]]
+        do_import_tasks(domain, (json.dumps(r) for r in rows))
+        domains.append(domain)
+    bm = BaseModel.objects.create(owner=user, name="demo", path="assets/base-models/demo")
+    spec = {**SMALL, "pipeline": {**SMALL["pipeline"], "eval_chunk": 64}, "max_steps": 4, "eval_every": 0,
+            "eval_tasks": 100}
+    response = api.post("/api/v1/runs/", {"name": "chunks", "base_model": bm.pk,
+                                          "domains": [{"domain": d.pk} for d in domains], "spec": spec}, format="json")
+    assert response.status_code == 201, response.content
+    run_id = response.json()["id"]
+    assert api.post(f"/api/v1/runs/{run_id}/start/", {}, format="json").status_code == 200
+    wait_status(run_id, {"completed"})
+    evaluations = Evaluation.objects.filter(version__run_id=run_id, version__number=0, status="done")
+    deadline = time.monotonic() + 120
+    while evaluations.count() < 2:
+        assert time.monotonic() < deadline, list(Evaluation.objects.values_list("domain__name", "status"))
+        time.sleep(0.3)
+    for evaluation in evaluations:
+        assert evaluation.n_tasks == 100 and len(evaluation.results["tasks"]) == 100
+    v0 = Trajectory.objects.filter(run_id=run_id, is_eval=True, version=0)
+    assert v0.count() == 200 and not v0.filter(verdict="pending").exists()
+    ids = list(v0.order_by("id").values_list("id", flat=True))
+    between = Trajectory.objects.filter(run_id=run_id, is_eval=False, id__gt=ids[0], id__lt=ids[-1])
+    assert between.exists(), "the evaluation held the device until it was done"
+    # pass@2 of the same version: chunks of 32 tasks, each sent the evaluation's k
+    v0_id = PolicyVersion.objects.get(run_id=run_id, number=0).pk
+    response = api.post(f"/api/v1/policy-versions/{v0_id}/evaluate/", {"samples": 2}, format="json")
+    assert response.status_code in (200, 202), response.content
+    deadline = time.monotonic() + 180
+    while Evaluation.objects.filter(version_id=v0_id, status="done", n_samples=2).count() < 2:
+        assert time.monotonic() < deadline, list(Evaluation.objects.values_list("domain__name", "status", "n_samples"))
+        time.sleep(0.3)
+    for evaluation in Evaluation.objects.filter(version_id=v0_id):
+        assert evaluation.n_tasks == 100 and len(evaluation.results["tasks"]) == 100 and not evaluation.results["greedy"]
+    assert Trajectory.objects.filter(run_id=run_id, is_eval=True, group_key__startswith="eval-v0-k2-").count() == 400
+
+
+def test_only_a_large_evaluation_is_chunked():
+    """Up to 1,024 sequences an evaluation is one batch, as it always was; beyond that, chunks of one
+    generation task's sequences; a run's ``pipeline.eval_chunk`` sets the size whatever the total."""
+    from webapp.runs.loop.heldout import chunk_tasks
+    from workers.pipeline.spec import RunSpec
+
+    spec = RunSpec.model_validate(SMALL)  # rollout 4 prompts x G 4 = 16 sequences: the 64 floor
+    assert chunk_tasks(spec, 1, 1024) == 1024 and chunk_tasks(spec, 4, 256) == 256
+    assert chunk_tasks(spec, 1, 3900) == 64 and chunk_tasks(spec, 2, 600) == 32
+    assert chunk_tasks(spec, 64, 100) == 8  # pass@64: at least 8 tasks a chunk
+    chunked = RunSpec.model_validate({**SMALL, "pipeline": {**SMALL["pipeline"], "eval_chunk": 100}})
+    assert chunk_tasks(chunked, 1, 50) == 100 and chunk_tasks(chunked, 4, 50) == 25
+    assert chunk_tasks(chunked, 200, 50) == 1
+
+
+def test_an_evaluation_chunk_delivered_twice_sends_its_successor_once(redis_url):
+    """A chunk's worker may die after queueing the next chunk and before the ack: the redelivered chunk
+    samples again (its rows are idempotent) but must not fork the chain (real Redis)."""
+    import uuid
+
+    from webapp.runs.loop.heldout import _claim
+
+    chain = uuid.uuid4().hex
+    assert _claim(chain, "64") and not _claim(chain, "64")
+    assert _claim(chain, "128") and _claim(uuid.uuid4().hex, "64")  # another step, another evaluation
+
+
 def test_pause_keeps_work_and_resume_continues(loop_workers, api, user):
     spec = {**SMALL, "max_steps": 40}
     run_id = demo_run(user, api, spec)

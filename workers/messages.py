@@ -86,8 +86,10 @@ def generate_chunks(run_id: int, group_ids: list[int], size: int, attempts: dict
         generate(run_id, chunk, (attempts or {}).get(chunk[0], 0))
 
 
-def evaluate(run_id: int, version: int) -> None:
-    _send(EVALUATE, (run_id, version))
+def evaluate(run_id: int, version: int, offset: int = 0, samples: int | None = None, chain: str = "") -> None:
+    """A version's held-out sampling; after its first chunk, the chunk from task ``offset`` on, with the
+    evaluation's k and chain name (``heldout.sample``)."""
+    _send(EVALUATE, (run_id, version, offset, samples, chain) if offset else (run_id, version))
 
 
 def train_step(run_id: int, step: int, countdown: float | None = None) -> None:

@@ -59,6 +59,12 @@ class PipelineSpec(BaseModel):
         2, ge=0, le=10,
         description="Times a prompt whose group got an invalid verdict is admitted again, ahead of new prompts",
     )
+    eval_chunk: int | None = Field(
+        None, ge=1, le=1_000_000,
+        description="Held-out sequences (tasks x k) per evaluation chunk, each its own message queued behind the "
+        "waiting generation and training (default: one batch up to 1,024 sequences; beyond that, one generation "
+        "task's worth, at least 64)",
+    )
 
 
 class EpisodeSpec(BaseModel):

@@ -1,10 +1,16 @@
 """Held-out evaluation of a run's version, in two halves so a slow verifier never holds the GPU worker.
 
-``sample`` (GPU worker): every domain's held-out tasks in one batch — greedy, or ``n_samples``
-completions per task when an evaluation was requested that way (pass@k) — stored as evaluation samples
-(``Trajectory.is_eval``). ``score`` (verify queue): judge them; a task's score is its sample's reward
-(greedy), or 1 when any of its completions passes (pass@k); invalid verdicts are left out and counted. Each
-domain's ``Evaluation`` gets the per-task scores (``results["tasks"]``, what comparisons pair on); greedy
+``sample`` (GPU worker): every domain's held-out tasks — greedy, or ``n_samples`` completions per task
+when an evaluation was requested that way (pass@k) — stored as evaluation samples (``Trajectory.is_eval``).
+An evaluation of up to 1,024 sequences is one batch; a larger one runs in chunks of about one generation
+task's size (``chunk_tasks``; ``pipeline.eval_chunk`` sets it), each its own message queued behind the work
+already waiting, so a large evaluation (a pack of 77 domains x 50 tasks is 3,850 generations) takes turns
+with training instead of holding the device for minutes. The first chunk fixes the evaluation's k and
+names its chain; each later chunk carries both, and a chunk delivered twice (its worker died before the
+ack) does not send its successor twice (``_claim``).
+
+``score`` (verify queue): judge them; a task's score is its sample's reward (greedy), or 1 when any of its
+completions passes (pass@k); invalid verdicts are left out and counted. Each domain's ``Evaluation`` gets the per-task scores (``results["tasks"]``, what comparisons pair on); greedy
 scores become ``heldout_reward`` points, and a greedy overall score at the run's target completes it.
 Version 0 is the base model: a ``PolicyVersion`` row of its own, so it can be compared with.
 """
@@ -34,9 +40,46 @@ from workers import messages
 from workers.pipeline.spec import RunSpec
 from workers.policy.chat import prompt_text
 
+EVAL_ONE_BATCH_SEQUENCES = 1024
+"""An evaluation of up to this many sequences (tasks x k) is sampled in one batch, as a small one always
+was; a larger one goes in chunks (unless ``pipeline.eval_chunk`` says otherwise)."""
+EVAL_CHUNK_MIN_SEQUENCES = 64
+"""A chunk holds at least this many sequences, so a small rollout batch does not split an evaluation
+into many messages of a few generations each."""
+EVAL_CHUNK_MIN_TASKS = 8
+"""And at least this many tasks, so pass@64 does not send a message per task or two."""
 
-def sample(run_id: int, version: int) -> int:
-    """The device half: sample every domain's held-out tasks under ``version``; queue their scoring."""
+
+def chunk_tasks(spec: RunSpec, samples: int, n_tasks: int) -> int:
+    """Held-out tasks per ``sample`` chunk of an evaluation of ``n_tasks`` tasks x ``samples``: the run's
+    ``pipeline.eval_chunk`` sequences when it sets one; else all of them up to ``EVAL_ONE_BATCH_SEQUENCES``,
+    and beyond that about one generation task's sequences (rollout prompts x G, at least 64)."""
+    k = max(1, samples)
+    if spec.pipeline.eval_chunk is not None:
+        return max(1, spec.pipeline.eval_chunk // k)
+    if n_tasks * k <= EVAL_ONE_BATCH_SEQUENCES:
+        return max(1, n_tasks)
+    sequences = max(EVAL_CHUNK_MIN_SEQUENCES, spec.pipeline.rollout_batch_prompts * spec.pipeline.group_size)
+    return max(EVAL_CHUNK_MIN_TASKS, sequences // k)
+
+
+def _claim(chain: str, step: str) -> bool:
+    """True the first time ``step`` of ``chain`` is claimed (Redis SET NX, kept a day); True where Redis
+    cannot answer (the chain goes on: its rows are idempotent, a second scoring rewrites the same)."""
+    try:
+        return bool(live._redis().set(f"temper:eval-chain:{chain}:{step}", 1, nx=True, ex=86400))
+    except Exception:
+        return True
+
+
+def sample(run_id: int, version: int, offset: int = 0, samples: int | None = None, chain: str = "") -> int:
+    """The device half: sample the held-out tasks of chunk ``offset`` (an index into every domain's tasks,
+    single-turn domains first) under ``version``; queue the next chunk behind the waiting work, or after
+    the last one, their scoring. The first chunk (``samples`` None) reads k from the pending request; the
+    later ones are sent it. ``chain`` names the evaluation (the first message's task id, which a
+    redelivery keeps)."""
+    import uuid
+
     from workers.policy import resident
 
     run = Run.objects.select_related("base_model").filter(pk=run_id).first()
@@ -49,22 +92,28 @@ def sample(run_id: int, version: int) -> int:
     else:
         return 0
     spec = RunSpec.model_validate(run.spec)
-    k = max(Evaluation.objects.filter(version=version_row, suite="heldout", status=Evaluation.Status.PENDING)
-            .values_list("n_samples", flat=True), default=1)
+    if samples is None:
+        k = max(Evaluation.objects.filter(version=version_row, suite="heldout", status=Evaluation.Status.PENDING)
+                .values_list("n_samples", flat=True), default=1)
+        chain = chain or uuid.uuid4().hex
+    else:
+        k = samples
     per_domain = []
     for rd in run.run_domains.select_related("domain"):
         tasks = list(Task.objects.filter(domain=rd.domain, split=Task.Split.HELDOUT).order_by("id")[: spec.eval_tasks])
         if tasks:
             per_domain.append((rd, tasks))
-    single = [(rd, ts) for rd, ts in per_domain if rd.domain.environment == "single_turn"]
-    episodic = [(rd, ts) for rd, ts in per_domain if rd.domain.environment != "single_turn"]
-    tasks = [t for _, domain_tasks in single for t in domain_tasks]
-    prompts = [rd.domain.render_messages(t.prompt, t.reference, t.metadata) for rd, domain_tasks in single
-               for t in domain_tasks]
+    single = [(rd.domain, t) for rd, ts in per_domain if rd.domain.environment == "single_turn" for t in ts]
+    episodic = [(rd.domain, t) for rd, ts in per_domain if rd.domain.environment != "single_turn" for t in ts]
+    end = offset + chunk_tasks(spec, k, len(single) + len(episodic))
+    chunk = (single + episodic)[offset:end]
+    single_chunk = [(d, t) for d, t in chunk if d.environment == "single_turn"]
+    tasks = [t for _, t in single_chunk]
+    prompts = [d.render_messages(t.prompt, t.reference, t.metadata) for d, t in single_chunk]
     engine = load_engine(run, spec)
     contexts, refused = fit_prompts(engine, prompts, spec.sampling.max_tokens)
     kept = [i for i in range(len(tasks)) if i not in refused]
-    with live.on_device(run_id):  # every single-turn domain's prompts in one batch
+    with live.on_device(run_id):  # the chunk's single-turn prompts in one batch
         resident.serve(engine, run_id, version, paths.version_dir(run.pk, version))
         outputs = engine.generate_ids([contexts[i] for i in kept], sampling(spec, k, greedy=k == 1)) if kept else []
     rows = [
@@ -80,8 +129,9 @@ def sample(run_id: int, version: int) -> int:
                         group_key=messages.eval_key(version, k, tasks[i].pk), prompt=prompt_text(prompts[i]),
                         completion="", is_eval=True, verdict=VerdictChoice.INVALID, verdict_reason=reason)
              for i, reason in refused.items() for j in range(k)]
-    if episodic:  # multi-turn domains are evaluated as they are trained: whole episodes, greedy turns
-        items = [(rd.domain, t, spec.seed + i) for rd, ts in episodic for t in ts for i in range(k)]
+    if episodic_chunk := [(d, t) for d, t in chunk if d.environment != "single_turn"]:
+        # multi-turn domains are evaluated as they are trained: whole episodes, greedy turns
+        items = [(d, t, spec.seed + i) for d, t in episodic_chunk for i in range(k)]
         params = sampling(spec, k, greedy=k == 1)
         played, _ = play_episodes(run, spec, engine, items, params.temperature, params.top_p, version=version)
         for n, ((_, t, _), ep) in enumerate(zip(items, played, strict=True)):
@@ -90,6 +140,12 @@ def sample(run_id: int, version: int) -> int:
                                    sample_index=n % k, version=version, is_eval=True, **record,
                                    **counts(record["turns"])))
     Trajectory.objects.bulk_create(rows, ignore_conflicts=True)
+    if end < len(single) + len(episodic):  # behind the generation and training already queued
+        if _claim(chain, str(end)):
+            messages.evaluate(run_id, version, end, k, chain)
+        return len(rows)
+    if not _claim(chain, "score"):
+        return len(rows)
     for rd, domain_tasks in per_domain:
         Evaluation.objects.update_or_create(version=version_row, domain=rd.domain, suite="heldout", defaults={
             "status": Evaluation.Status.RUNNING, "n_tasks": len(domain_tasks), "n_samples": k})
