@@ -200,6 +200,28 @@ def test_an_evaluation_chunk_delivered_twice_sends_its_successor_once(redis_url)
     assert _claim(chain, "128") and _claim(uuid.uuid4().hex, "64")  # another step, another evaluation
 
 
+def test_a_periodic_evaluation_is_skipped_while_a_chunked_one_is_sampling(redis_url, user):
+    """Chunks take turns with training, so a pack's evaluation can outlast ``eval_every`` steps: the
+    evaluation then due is skipped, with an event saying which one is still sampling, instead of a second
+    chain (and a third...) until evaluation held the device again (real Redis)."""
+    from webapp.runs.loop import heldout, reporting
+    from webapp.runs.models import RunEvent
+
+    run = factories.run(user)
+    Run.objects.filter(pk=run.pk).update(spec={**run.spec, "eval_every": 5}, status="running")
+    assert heldout.sampling_now(run.pk) is None
+    heldout._mark_sampling(run.pk, "chain-a", 10, 64, 3850)
+    heldout._mark_sampling(run.pk, "chain-b", 0, 1216, 3850)
+    assert heldout.sampling_now(run.pk) == (0, 1216, 3850)  # the oldest version, not the first string
+    PolicyVersion.objects.create(run=run, number=15, step=15, metrics={})
+    assert reporting.report_step(run.pk, 15) > 0
+    skipped = RunEvent.objects.get(run=run, kind="evaluation.skipped")
+    assert skipped.message == "evaluation of v15 skipped: v0's is still sampling (1216 of 3850 tasks)"
+    heldout._mark_sampled(run.pk, "chain-b")
+    heldout._mark_sampled(run.pk, "chain-a")
+    assert heldout.sampling_now(run.pk) is None  # the next due evaluation is sent
+
+
 def test_pause_keeps_work_and_resume_continues(loop_workers, api, user):
     spec = {**SMALL, "max_steps": 40}
     run_id = demo_run(user, api, spec)

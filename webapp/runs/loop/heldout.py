@@ -17,6 +17,7 @@ Version 0 is the base model: a ``PolicyVersion`` row of its own, so it can be co
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 from collections import defaultdict
 
@@ -70,6 +71,43 @@ def _claim(chain: str, step: str) -> bool:
         return bool(live._redis().set(f"temper:eval-chain:{chain}:{step}", 1, nx=True, ex=86400))
     except Exception:
         return True
+
+
+ACTIVE_TTL_S = 1800
+"""How long a chunked evaluation counts as sampling after its latest chunk (a chain whose message was lost
+with the broker's data stops holding back the run's periodic evaluations after this)."""
+
+
+def _active_key(run_id: int) -> str:
+    return f"temper:eval-active:{run_id}"
+
+
+def _mark_sampling(run_id: int, chain: str, version: int, done: int, total: int) -> None:
+    """Record that ``chain`` (version ``version``) has sampled ``done`` of its ``total`` tasks and goes on."""
+    with contextlib.suppress(Exception):  # it only holds back periodic evaluations: without Redis they run
+        client = live._redis()
+        client.hset(_active_key(run_id), chain, f"{version}:{done}:{total}")
+        client.expire(_active_key(run_id), ACTIVE_TTL_S)
+
+
+def _mark_sampled(run_id: int, chain: str) -> None:
+    with contextlib.suppress(Exception):
+        live._redis().hdel(_active_key(run_id), chain)
+
+
+def sampling_now(run_id: int) -> tuple[int, int, int] | None:
+    """The chunked evaluation of this run still sampling, as (version, tasks done, tasks), or None. A
+    periodic evaluation due meanwhile is skipped (``reporting.report_step``): chunks take turns with
+    training, so a pack's evaluation can outlast ``eval_every`` steps, and chains started every
+    ``eval_every`` versions would pile up until evaluation held the device again."""
+    try:
+        chains = live._redis().hvals(_active_key(run_id))
+    except Exception:
+        return None
+    if not chains:
+        return None
+    version, done, total = min(tuple(int(x) for x in c.decode().split(":")) for c in chains)
+    return version, done, total
 
 
 def sample(run_id: int, version: int, offset: int = 0, samples: int | None = None, chain: str = "") -> int:
@@ -140,10 +178,14 @@ def sample(run_id: int, version: int, offset: int = 0, samples: int | None = Non
                                    sample_index=n % k, version=version, is_eval=True, **record,
                                    **counts(record["turns"])))
     Trajectory.objects.bulk_create(rows, ignore_conflicts=True)
-    if end < len(single) + len(episodic):  # behind the generation and training already queued
+    total = len(single) + len(episodic)
+    if end < total:  # behind the generation and training already queued
         if _claim(chain, str(end)):
+            _mark_sampling(run_id, chain, version, end, total)
             messages.evaluate(run_id, version, end, k, chain)
         return len(rows)
+    if offset:
+        _mark_sampled(run_id, chain)
     if not _claim(chain, "score"):
         return len(rows)
     for rd, domain_tasks in per_domain:

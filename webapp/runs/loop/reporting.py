@@ -16,7 +16,8 @@ from typing import Any
 from django.db import transaction
 from django.db.models import Count
 
-from webapp.runs.loop import alerts, live
+from webapp.runs import services
+from webapp.runs.loop import alerts, heldout, live
 from webapp.runs.metrics import Point
 from webapp.runs.models import PolicyVersion, PromptGroup, Run, Trajectory, VerdictChoice
 from workers import messages
@@ -41,7 +42,13 @@ def report_step(run_id: int, step: int) -> int:
     alerts.check_run(run_id)
     spec = RunSpec.model_validate(run.spec)
     if spec.eval_every and version.number % spec.eval_every == 0:
-        messages.evaluate(run_id, version.number)
+        if (busy := heldout.sampling_now(run_id)) is None:
+            messages.evaluate(run_id, version.number)
+        else:  # a chunked evaluation is still taking turns with training: one at a time
+            services.record_event(run_id, "evaluation.skipped",
+                                  f"evaluation of v{version.number} skipped: v{busy[0]}'s is still sampling "
+                                  f"({busy[1]} of {busy[2]} tasks)",
+                                  data={"version": version.number, "sampling": busy[0]})
     return len(points)
 
 
