@@ -84,6 +84,35 @@ def test_a_generator_domain_materializes_heldout_once_and_train_without_end(user
 
 
 @pytest.mark.django_db
+def test_a_domain_whose_prompts_never_fit_the_model_is_set_aside(user) -> None:
+    """Admitted by weight, a domain whose prompts are all longer than the model's context would have its
+    groups dropped for ever: after 8 such drops and no group generated it is set aside, with an event; a
+    domain with one prompt that fitted is not."""
+    from webapp.runs.models import PromptGroup, RunEvent
+
+    long = generated.do_create_generator_domain(user, name="long", generator="demo.addition",
+                                                params={"difficulty": 1}, heldout_size=10)
+    mixed = generated.do_create_generator_domain(user, name="mixed", generator="demo.addition",
+                                                 params={"difficulty": 1}, heldout_size=10)
+    run = factories.run(user)
+    reason = "the prompt is 1381 tokens: the model's context of 1024 leaves no room for 24 more (sampling.max_tokens)"
+    for domain, n in ((long, 7), (mixed, 8)):
+        PromptGroup.objects.bulk_create([PromptGroup(run=run, key=f"{domain.pk}-{i}", domain=domain,
+                                                     status="dropped", drop_reason=reason) for i in range(n)])
+    PromptGroup.objects.create(run=run, key="fitted", domain=mixed, status="trained", generated_version=0)
+    assert len(admission.admit(run, {long.pk: 8, mixed.pk: 4}, {})) == 12  # 7 drops: not yet
+    assert admission.set_aside_unfit(run) == set()
+    PromptGroup.objects.filter(run=run, domain=long, status="admitted").update(status="dropped", drop_reason=reason)
+    ids = admission.admit(run, {long.pk: 4, mixed.pk: 4}, {})
+    assert set(PromptGroup.objects.filter(pk__in=ids).values_list("domain_id", flat=True)) == {mixed.pk}
+    assert run.state["set_aside"] == {str(long.pk): f"none of its 15 prompts so far fits the model: {reason}"}
+    event = RunEvent.objects.get(run=run, kind="domain.set_aside")
+    assert event.message.startswith("domain long set aside: none of its 15 prompts") and event.level == "warning"
+    admission.admit(run, {long.pk: 4}, {})
+    assert RunEvent.objects.filter(run=run, kind="domain.set_aside").count() == 1  # said once
+
+
+@pytest.mark.django_db
 def test_a_domain_whose_space_is_all_heldout_is_refused(user) -> None:
     from webapp.common.errors import ValidationFailed
 

@@ -4,16 +4,28 @@ New prompts are read through a per-domain keyset cursor in ``Run.state["cursor"]
 after the last admitted one, wrapping into the next epoch). A generator domain's train stream is endless:
 when the cursor nears the end of the tasks made so far, the next batch is made first
 (``catalog.generated.extend_train``), so its tasks are never repeated. Retries come first: each is a new
-group for the prompt of an earlier group that got an invalid verdict. Called under the caller's lock on the run.
+group for the prompt of an earlier group that got an invalid verdict. A domain none of whose prompts has
+fitted the model's context is set aside for the run (``set_aside_unfit``). Called under the caller's lock on
+the run.
 """
 
 from __future__ import annotations
 
 import uuid
 
+from django.db.models import Count
+
 from webapp.catalog.generated import TRAIN_BATCH, extend_train
 from webapp.catalog.models import Task, TaskDomain
 from webapp.runs.models import PromptGroup, Run
+
+UNFIT = "the prompt is"
+"""How the drop reason of a prompt longer than the model's context starts (``generation.fit_prompts``)."""
+
+UNFIT_LIMIT = 8
+"""A domain whose first this many groups in a run were all dropped for prompts longer than the model's
+context, and none generated, is set aside: admitted by weight, its groups would be dropped for ever (a
+reasoning-gym domain on the demo model: 182 of a run's first 600 groups)."""
 
 
 def next_tasks(run: Run, domain_id: int, n: int, *, generated: bool = False) -> list[Task]:
@@ -32,8 +44,34 @@ def next_tasks(run: Run, domain_id: int, n: int, *, generated: bool = False) -> 
     return tasks
 
 
+def set_aside_unfit(run: Run) -> set[int]:
+    """The run's domains set aside because no prompt of theirs fits the model (``Run.state["set_aside"]``:
+    domain id -> why); each newly set aside gets an event."""
+    from webapp.runs import services
+
+    aside: dict[str, str] = run.state.setdefault("set_aside", {})
+    unfit = dict(PromptGroup.objects.filter(run=run, status=PromptGroup.Status.DROPPED, drop_reason__startswith=UNFIT)
+                 .exclude(domain_id__in=[int(k) for k in aside]).values_list("domain_id").annotate(n=Count("id"))
+                 .order_by())
+    candidates = [d for d, n in unfit.items() if d is not None and n >= UNFIT_LIMIT]
+    if candidates:
+        fitted = set(PromptGroup.objects.filter(run=run, domain_id__in=candidates, generated_version__isnull=False)
+                     .values_list("domain_id", flat=True).distinct())
+        for domain_id in sorted(set(candidates) - fitted):
+            last = (PromptGroup.objects.filter(run=run, domain_id=domain_id, drop_reason__startswith=UNFIT)
+                    .select_related("domain").order_by("-id").first())
+            assert last is not None and last.domain is not None
+            why = f"none of its {unfit[domain_id]} prompts so far fits the model: {last.drop_reason}"
+            aside[str(domain_id)] = why
+            services.record_event(run, "domain.set_aside", f"domain {last.domain.name} set aside: {why}",
+                                  level="warning", data={"domain": domain_id, "dropped": unfit[domain_id]})
+    return {int(k) for k in aside}
+
+
 def admit(run: Run, admit: dict[int, int], retry: dict[int, int]) -> list[int]:
     """Create the admitted groups and return their ids (retries first)."""
+    aside = set_aside_unfit(run)
+    admit = {d: n for d, n in admit.items() if d not in aside}
     groups = []
     for domain_id, n in retry.items():
         earlier = list(PromptGroup.objects.filter(run=run, retry_pending=True, domain_id=domain_id).order_by("id")[:n])

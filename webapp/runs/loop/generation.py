@@ -19,6 +19,7 @@ from django.utils import timezone
 
 from webapp.common.bulk import insert_ignoring_conflicts
 from webapp.runs.loop import live, paths
+from webapp.runs.loop.admission import UNFIT
 from webapp.runs.loop.tick import wake_deferred
 from webapp.runs.models import TERMINAL_STATUSES, PromptGroup, Run, Trajectory
 from workers import messages
@@ -187,7 +188,7 @@ def fit_prompts(engine: Any, prompts: list[Any], max_tokens: int) -> tuple[list[
 
     contexts = encode_prompts(engine.tokenizer, prompts)
     limit = context_tokens(engine)
-    refused = {i: (f"the prompt is {len(ids)} tokens: the model's context of {limit} leaves no room for "
+    refused = {i: (f"{UNFIT} {len(ids)} tokens: the model's context of {limit} leaves no room for "
                    f"{max_tokens} more (sampling.max_tokens)")
                for i, ids in enumerate(contexts) if limit and len(ids) + max_tokens > limit}
     return contexts, refused

@@ -82,7 +82,7 @@ def snapshot(run: Run, spec: RunSpec, *, recovering: bool = False, broker_reset:
                       .annotate(n=Count("id")).order_by())
     retries = dict(PromptGroup.objects.filter(run=run, retry_pending=True).values_list("domain_id")
                    .annotate(n=Count("id")).order_by())
-    exhausted = set(run.state.get("exhausted", []))
+    exhausted = set(run.state.get("exhausted", [])) | {int(k) for k in run.state.get("set_aside", {})}
     domains = [DomainShare(rd.domain_id, rd.weight, rd.priority, per_domain.get(rd.domain_id, 0),
                            rd.domain_id in exhausted, retries.get(rd.domain_id, 0)) for rd in run.run_domains.all()]
     claim = run.state.get("train_claim")
