@@ -28,7 +28,6 @@ $(VENV)/.dev-installed: requirements.txt requirements-dev.txt
 	@touch $@ $(VENV)/.run-installed
 
 run: $(VENV)/.run-installed
-	$(PY) manage.py migrate --noinput -v 0
 	exec $(PY) manage.py up
 
 # System packages the tests need, installed when missing (CI runs as root).

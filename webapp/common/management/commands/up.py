@@ -187,10 +187,11 @@ class Command(BaseCommand):
                 "--dir", str(var / "redis"), "--save", "", "--appendonly", "no", "--loglevel", "warning",
             ], own_session=True)  # stopped last, after every worker has let go of it
         _wait_redis(settings.REDIS_URL, timeout=15)
+        from django.core.management import call_command
+
+        call_command("migrate", interactive=False, verbosity=0)  # a fresh database, or a newer checkout
         user, password = ensure_demo_login()
         if not opts["no_demo"]:
-            from django.core.management import call_command
-
             call_command("seed_demo", user=user, start=True, stdout=self.stdout)
         options = self._options(opts)
         for role in ROLES:
