@@ -110,6 +110,26 @@ def test_a_domain_whose_prompts_never_fit_the_model_is_set_aside(user) -> None:
     assert event.message.startswith("domain long set aside: none of its 15 prompts") and event.level == "warning"
     admission.admit(run, {long.pk: 4}, {})
     assert RunEvent.objects.filter(run=run, kind="domain.set_aside").count() == 1  # said once
+    run.refresh_from_db()
+    assert run.status == "draft"  # mixed and the run's own domain are left
+
+
+@pytest.mark.django_db
+def test_a_run_none_of_whose_domains_fits_the_model_fails_with_the_reason(user) -> None:
+    from webapp.runs.models import PromptGroup, Run
+
+    run = factories.run(user)
+    Run.objects.filter(pk=run.pk).update(status="running")
+    run.refresh_from_db()
+    domain_id = run.run_domains.get().domain_id
+    reason = "the prompt is 90 tokens: the model's context of 64 leaves no room for 6 more (sampling.max_tokens)"
+    PromptGroup.objects.bulk_create([PromptGroup(run=run, key=str(i), domain_id=domain_id, status="dropped",
+                                                 drop_reason=reason) for i in range(8)])
+    assert admission.admit(run, {domain_id: 4}, {}) == []
+    run.refresh_from_db()
+    assert run.status == "failed"
+    assert run.status_reason == ("no domain is left to admit from: 1 set aside, as none of their prompts fits "
+                                 f"the model (none of its 8 prompts so far fits the model: {reason})")
 
 
 @pytest.mark.django_db

@@ -90,4 +90,9 @@ def admit(run: Run, admit: dict[int, int], retry: dict[int, int]) -> list[int]:
     run.state["exhausted"] = sorted(exhausted)
     PromptGroup.objects.bulk_create(groups)
     Run.objects.filter(pk=run.pk).update(state=run.state)
+    if aside and not groups and set(run.run_domains.values_list("domain_id", flat=True)) <= aside | exhausted:
+        from webapp.runs import services
+
+        services.do_fail_run(run, f"no domain is left to admit from: {len(aside)} set aside, as none of their "
+                                  f"prompts fits the model ({next(iter(run.state['set_aside'].values()))})")
     return [g.pk for g in groups]
