@@ -10,9 +10,10 @@ names its chain; each later chunk carries both, and a chunk delivered twice (its
 ack) does not send its successor twice (``_claim``).
 
 ``score`` (verify queue): judge them; a task's score is its sample's reward (greedy), or 1 when any of its
-completions passes (pass@k); invalid verdicts are left out and counted. Each domain's ``Evaluation`` gets the per-task scores (``results["tasks"]``, what comparisons pair on); greedy
-scores become ``heldout_reward`` points, and a greedy overall score at the run's target completes it.
-Version 0 is the base model: a ``PolicyVersion`` row of its own, so it can be compared with.
+completions passes (pass@k); invalid verdicts are left out and counted. Each domain's ``Evaluation`` gets
+the per-task scores (``results["tasks"]``, what comparisons pair on); greedy scores become
+``heldout_reward`` points, and a greedy overall score at the run's target completes it. Version 0 is the
+base model: a ``PolicyVersion`` row of its own, so it can be compared with.
 """
 
 from __future__ import annotations
