@@ -144,7 +144,8 @@ def sample(run_id: int, version: int, offset: int = 0, samples: int | None = Non
             per_domain.append((rd, tasks))
     single = [(rd.domain, t) for rd, ts in per_domain if rd.domain.environment == "single_turn" for t in ts]
     episodic = [(rd.domain, t) for rd, ts in per_domain if rd.domain.environment != "single_turn" for t in ts]
-    end = offset + chunk_tasks(spec, k, len(single) + len(episodic))
+    total = len(single) + len(episodic)
+    end = offset + chunk_tasks(spec, k, total)
     chunk = (single + episodic)[offset:end]
     single_chunk = [(d, t) for d, t in chunk if d.environment == "single_turn"]
     tasks = [t for _, t in single_chunk]
@@ -179,7 +180,6 @@ def sample(run_id: int, version: int, offset: int = 0, samples: int | None = Non
                                    sample_index=n % k, version=version, is_eval=True, **record,
                                    **counts(record["turns"])))
     Trajectory.objects.bulk_create(rows, ignore_conflicts=True)
-    total = len(single) + len(episodic)
     if end < total:  # behind the generation and training already queued
         if _claim(chain, str(end)):
             _mark_sampling(run_id, chain, version, end, total)
