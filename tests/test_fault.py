@@ -134,7 +134,12 @@ class FlakyJudge:
             def log_message(self, *args: object) -> None:
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        class Server(ThreadingHTTPServer):
+            # a rollout batch's samples are asked about at once (up to the verifier's max_concurrency): a
+            # backlog of 5, http.server's own, resets the connections beyond it, as a real server's would not
+            request_queue_size = 64
+
+        self.server = Server(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
@@ -160,7 +165,8 @@ def test_invalid_verdicts_are_counted_and_retried_first_never_scored(start_worke
     groups = PromptGroup.objects.filter(run=run)
     invalid = Trajectory.objects.filter(run=run, verdict="invalid", is_eval=False)
     assert invalid.exists() and not invalid.filter(reward__isnull=False).exists()  # never a score, never 0
-    assert all("HTTP 500" in r for r in invalid.values_list("verdict_reason", flat=True))
+    reasons = list(invalid.values_list("verdict_reason", flat=True))
+    assert all("HTTP 500" in r for r in reasons), [r for r in reasons if "HTTP 500" not in r]
     first_tries = groups.filter(retries=0).exclude(drop_reason__startswith="run completed")
     assert first_tries.exists()
     for group in first_tries:

@@ -159,6 +159,32 @@ def test_timeout_and_unreachable_are_invalid(server: tuple[str, type[_Handler]])
     assert v.status == "invalid" and "unreachable" in (v.reason or "")
 
 
+def test_requests_in_flight_to_an_endpoint_are_bounded_per_process(server: tuple[str, type[_Handler]]) -> None:
+    endpoint, handler = server
+    lock, state = threading.Lock(), {"now": 0, "most": 0}
+
+    def counted(body: dict[str, Any]) -> tuple[int, bytes]:
+        with lock:
+            state["now"] += 1
+            state["most"] = max(state["most"], state["now"])
+        time.sleep(0.05)
+        with lock:
+            state["now"] -= 1
+        return reply_with(careful_judge)(body)
+
+    handler.behaviour = staticmethod(counted)
+    verifier = build_verifier("llm_judge", cfg(endpoint, max_concurrency=3))
+    verdicts: list[str] = []
+    threads = [threading.Thread(target=lambda: verdicts.append(verifier.judge(JudgeInput("q", "Paris", "Paris")).status))
+               for _ in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert verdicts == ["pass"] * 12  # the others waited for a slot: none failed
+    assert state["most"] == 3, state  # as many as allowed at once, never more
+
+
 def test_generate_callable_is_the_runs_own_engine() -> None:
     prompts: list[str] = []
 

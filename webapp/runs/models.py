@@ -204,6 +204,7 @@ class PromptGroup(models.Model):
         indexes = [
             models.Index(fields=["run", "status", "id"], name="group_run_status_id"),
             models.Index(fields=["run", "id"], condition=models.Q(retry_pending=True), name="group_run_retry"),
+            models.Index(fields=["run", "trained_step"], name="group_run_trained_step"),  # a step's report
         ]
 
 
@@ -293,6 +294,8 @@ class Trajectory(models.Model):
             models.Index(fields=["run", "domain", "-id"], name="traj_run_domain_id"),
             models.Index(fields=["run", "verdict", "-id"], name="traj_run_verdict_id"),
             models.Index(fields=["run", "reward"], name="traj_run_reward"),
+            # each train step's report reads its own samples: without this index it walked the whole run
+            models.Index(fields=["run", "trained_step"], name="traj_run_trained_step"),
         ]
 
 

@@ -12,10 +12,11 @@ from workers.tasks.health import this_worker
 
 @app.task(name="workers.tasks.verify.verify_batch", ignore_result=True)
 def verify_batch(run_id: int, group_ids: list[int], attempts: list[int]) -> str:
-    """A rollout batch: the groups an in-process verifier judges in microseconds are judged here, together
-    (``verification.verify_groups``); every other group gets a ``verify_group`` message of its own, so slow
-    verifiers (sandboxes, remote judges, episodes) spread over the verify workers. With none of the first
-    kind, the first group is judged here."""
+    """A rollout batch: the groups an in-process verifier judges in microseconds, and those a remote judge
+    is asked about (every sample at once, on this process's judge threads), are judged here, together
+    (``verification.verify_groups``); every other group gets a ``verify_group`` message of its own, so
+    CPU-bound verifiers (sandboxes, episodes) spread over the verify workers. With none of the first kinds,
+    the first group is judged here."""
     together = set(verification.batched_groups(group_ids))
     apart = [(gid, attempt) for gid, attempt in zip(group_ids, attempts, strict=True) if gid not in together]
     if not together and apart:

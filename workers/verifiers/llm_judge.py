@@ -26,6 +26,7 @@ import os
 import re
 import secrets
 import statistics
+import threading
 import urllib.error
 import urllib.request
 from collections.abc import Callable
@@ -107,6 +108,8 @@ class LLMJudgeConfig(VerifierConfig):
     max_tokens: int = Field(default=512, ge=16, le=8192)
     timeout_seconds: float = Field(default=30.0, gt=0, le=600)
     max_retries: int = Field(default=1, ge=0, le=5, description="Retries on connection errors / HTTP 5xx / 429.")
+    max_concurrency: int = Field(default=64, ge=1, le=256, description="Requests in flight to the endpoint at "
+                                 "once from one verify process (its other requests queue for a slot).")
     max_completion_chars: int = Field(default=20_000, gt=0, description="Longer completions are cut (tail kept).")
 
     @model_validator(mode="after")
@@ -129,6 +132,27 @@ class LLMJudgeConfig(VerifierConfig):
             raise ValueError(f"template has an unknown placeholder or stray brace ({exc!r}); "
                              "write literal braces as {{ and }}") from None
         return self
+
+
+_slots: dict[tuple[str, int], threading.BoundedSemaphore] = {}
+_slots_lock = threading.Lock()
+
+
+def _forget_slots() -> None:  # a forked child starts with every slot free, whatever its parent held
+    global _slots_lock
+    _slots.clear()
+    _slots_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_slots)
+
+
+def endpoint_slots(endpoint: str, limit: int) -> threading.BoundedSemaphore:
+    """The slots this process's requests to ``endpoint`` share: a verify worker asks the judge about a
+    whole rollout batch at once, which is more connections than a small server accepts together (Python's
+    ``http.server`` backlog is 5: the rest are reset)."""
+    with _slots_lock:
+        return _slots.setdefault((endpoint, limit), threading.BoundedSemaphore(limit))
 
 
 class JudgeUnavailable(Exception):
@@ -208,7 +232,8 @@ class LLMJudgeVerifier(BaseVerifier[LLMJudgeConfig]):
         for _attempt in range(c.max_retries + 1):
             req = urllib.request.Request(url, data=body, headers=headers, method="POST")
             try:
-                with urllib.request.urlopen(req, timeout=c.timeout_seconds) as resp:
+                with endpoint_slots(c.endpoint, c.max_concurrency), \
+                        urllib.request.urlopen(req, timeout=c.timeout_seconds) as resp:
                     payload = json.loads(resp.read(4 << 20))
                 content = payload["choices"][0]["message"]["content"]
                 if not isinstance(content, str):

@@ -58,10 +58,10 @@ def step_points(run: Run, version: PolicyVersion) -> list[Point]:
     points = [Point(name, step, float(m[name])) for name in TRAINER_METRICS if isinstance(m.get(name), (int, float))
               and not isinstance(m.get(name), bool)]
     points.append(Point("nonfinite", step, float(bool(m.get("nonfinite")))))
-    groups = list(PromptGroup.objects.filter(run=run, trained_step=step, status=PromptGroup.Status.TRAINED))
+    groups = list(PromptGroup.objects.filter(run=run, trained_step=step, status=PromptGroup.Status.TRAINED).order_by())
     points.append(Point("zero_variance_share", step,
                         float(m.get("groups_dropped_zero_variance") or 0) / max(1, len(groups))))
-    samples = list(Trajectory.objects.filter(run=run, trained_step=step).values_list(
+    samples = list(Trajectory.objects.filter(run=run, trained_step=step).order_by().values_list(
         "domain_id", "version", "verdict", "reward", "finish_reason", "verify_latency_ms", "completion_token_ids"))
     total = len(samples)
     lags = [version.number - 1 - v for _, v, *_ in samples]
@@ -99,7 +99,7 @@ def step_points(run: Run, version: PolicyVersion) -> list[Point]:
     episodes: defaultdict[int | None, list[tuple[list[dict[str, Any]], str, int]]] = defaultdict(list)
     session_starts: defaultdict[int | None, list[float]] = defaultdict(list)
     for domain_id, turns, stop_reason, ids, start_s in (
-            Trajectory.objects.filter(run=run, trained_step=step).exclude(stop_reason="")
+            Trajectory.objects.filter(run=run, trained_step=step).exclude(stop_reason="").order_by()
             .values_list("domain_id", "turns", "stop_reason", "completion_token_ids", "sandbox__session_start_s")):
         episodes[domain_id].append((turns or [], stop_reason, len(ids or [])))
         if isinstance(start_s, (int, float)):  # None: the episode never opened its session
@@ -162,8 +162,8 @@ def sandbox_points(run: Run, step: int) -> list[Point]:
     starts (an execution that started its runtime's zygote), the retries after infrastructure failures, and
     the image builds executions waited for (count, and the longest in seconds)."""
     rows = (Trajectory.objects.filter(run=run, trained_step=step, verifier_details__has_key="sandbox_start")
-            .values_list("domain_id", "verifier_details__sandbox_start", "verifier_details__sandbox_attempts",
-                         "verifier_details__image_build_s"))
+            .order_by().values_list("domain_id", "verifier_details__sandbox_start",
+                                    "verifier_details__sandbox_attempts", "verifier_details__image_build_s"))
     per_domain: defaultdict[int | None, list[tuple[Any, Any, Any]]] = defaultdict(list)
     for row_domain, start, attempts, build_s in rows:
         per_domain[row_domain].append((start, attempts, build_s))

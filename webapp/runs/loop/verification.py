@@ -9,8 +9,10 @@ admission ahead of new prompts (``pipeline.invalid_retries``). A redelivered jud
 
 from __future__ import annotations
 
+import os
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any
 
 from django.db import connection, transaction
@@ -109,7 +111,7 @@ def finish(group: PromptGroup, max_retries: int, verdicts: list[tuple[str, str]]
     joins the ready buffer, or is dropped when no verdict is usable. Returns the group's new status, or None
     while verdicts are missing (or when another delivery finished it first)."""
     if verdicts is None:
-        verdicts = list(Trajectory.objects.filter(run_id=group.run_id, group_key=group.key)
+        verdicts = list(Trajectory.objects.filter(run_id=group.run_id, group_key=group.key).order_by()
                         .values_list("verdict", "verdict_reason"))
     if not verdicts or any(v == VerdictChoice.PENDING for v, _ in verdicts):
         return None
@@ -134,9 +136,35 @@ at the demo's pace, on a machine whose other core is the "GPU" (``bench/demo.py`
 
 
 def batched_groups(group_ids: list[int]) -> list[int]:
-    """Those of ``group_ids`` judged with the rest of their rollout batch: single-turn, an in-process kind."""
-    return list(PromptGroup.objects.filter(pk__in=group_ids, domain__environment="single_turn",
-                                           domain__verifier__kind__in=IN_PROCESS_KINDS).values_list("pk", flat=True))
+    """Those of ``group_ids`` judged with the rest of their rollout batch: single-turn, with an in-process kind
+    or a remote judge (``verify_groups`` asks it about every sample at once)."""
+    rows = PromptGroup.objects.filter(pk__in=group_ids, domain__environment="single_turn").values_list(
+        "pk", "domain__verifier__kind", "domain__verifier__config")
+    return [pk for pk, kind, config in rows
+            if kind in IN_PROCESS_KINDS or (kind == "llm_judge" and bool((config or {}).get("endpoint")))]
+
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _forget_pool() -> None:  # a forked child has none of its parent's threads: it makes a pool of its own
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pool)
+
+
+def judge_pool() -> ThreadPoolExecutor:
+    """The threads this process asks remote judges on, made once and kept: starting a group's eight threads
+    anew cost 6 ms of CPU a group, a fifth of judging it (``bench/pipeline.py``'s slow judge). Threads are
+    started as they are needed, up to 64 (a threads-pool worker's tasks share them)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="temper-judge")
+        return _pool
 
 
 def judge_samples(group: PromptGroup, rows: list[Trajectory]) -> list[Any]:
@@ -149,8 +177,7 @@ def judge_samples(group: PromptGroup, rows: list[Trajectory]) -> list[Any]:
     if group.domain is not None and group.domain.environment != "single_turn":
         return [score_episode(group.domain, verifier, t, group.task) for t in rows]
     if remote_judge(verifier) and len(rows) > 1:  # it spends its time waiting on the network
-        with ThreadPoolExecutor(max_workers=min(len(rows), 16)) as pool:
-            return list(pool.map(lambda t: judge(verifier, t.prompt, t.completion, reference, kind), rows))
+        return list(judge_pool().map(lambda t: judge(verifier, t.prompt, t.completion, reference, kind), rows))
     return judge_group(verifier, [(t.prompt, t.completion) for t in rows], reference, kind)
 
 
@@ -161,8 +188,15 @@ def verify_group(group_id: int, holder: str) -> str:
 
 def verify_groups(group_ids: list[int], holder: str) -> list[str]:
     """Judge every pending sample of these groups (of one run); each group whose samples are all judged
-    joins the ready buffer (or is dropped). Their rows are read, their verdicts written and their groups
-    finished in a few statements for all of them, and the control worker hears at most once.
+    joins the ready buffer (or is dropped). Their rows are read in one query; verdicts are written and groups
+    finished in a few statements for all the groups judged by then, and the control worker hears at most
+    once a time.
+
+    A remote judge's samples are all sent at once, on this process's judge threads (``judge_pool``), while
+    the other groups are judged in this thread. Then its groups are finished in waves, each as soon as its
+    last verdict is in: a group's slow sample (the judge's heavy tail) holds back no other group. One task
+    for a rollout batch of judged-remotely groups, where a task per group cost ~30 ms of CPU in Celery and
+    queries: most of a verify worker's CPU at ``bench/pipeline.py``'s pace, on the cores the "GPU" shares.
 
     Timings go on the group (``verify_wait_s``, ``verify_s``); the train step reports them per domain, so
     verification sends no websocket message of its own.
@@ -176,6 +210,7 @@ def verify_groups(group_ids: list[int], holder: str) -> list[str]:
     run = groups[0].run
     assert all(g.run_id == run.pk for g in groups), "verify_groups takes the groups of one run"
     now = timezone.now()
+    started = time.monotonic()
     # held from now on by this worker: if it dies mid-judgment, the recovery tick hands the groups out again
     PromptGroup.objects.filter(pk__in=[g.pk for g in groups], status=G.VERIFYING).update(holder=holder,
                                                                                        updated_at=now)
@@ -183,24 +218,60 @@ def verify_groups(group_ids: list[int], holder: str) -> list[str]:
     for t in (Trajectory.objects.filter(run_id=run.pk, group_key__in=list(pending), verdict=VerdictChoice.PENDING)
               .only("id", "group_key", "prompt", "completion", "turns", "stop_reason").order_by("sample_index")):
         pending[t.group_key].append(t)
-    verdicts: list[tuple[Trajectory, Any]] = []
-    timings: list[tuple[int, float, float]] = []
-    for group in groups:
-        group_started = time.monotonic()
-        rows = pending[group.key]
-        verdicts += zip(rows, judge_samples(group, rows), strict=True)
-        timings.append((group.pk, (now - group.updated_at).total_seconds(), time.monotonic() - group_started))
-    with transaction.atomic():
-        record_verdicts(verdicts)
-        for gid, wait, seconds in timings:
-            PromptGroup.objects.filter(pk=gid, verify_s__isnull=True).update(verify_wait_s=wait, verify_s=seconds)
     spec = RunSpec.model_validate(run.spec)
-    states: dict[str, list[tuple[str, str]]] = {g.key: [] for g in groups}
-    for key, verdict, reason in (Trajectory.objects.filter(run_id=run.pk, group_key__in=list(states))
+    remote = {g.pk: submit_remote(g, pending[g.key]) for g in groups if judged_remotely(g)}
+    judged: list[tuple[PromptGroup, list[tuple[Trajectory, Any]], float]] = []
+    for group in groups:
+        if group.pk not in remote:
+            group_started = time.monotonic()
+            rows = pending[group.key]
+            judged.append((group, list(zip(rows, judge_samples(group, rows), strict=True)),
+                           time.monotonic() - group_started))
+    if judged:
+        conclude(run, spec, judged, now, out)
+    waiting = {g.pk: g for g in groups if g.pk in remote}
+    while waiting:
+        wait([f for gid in waiting for f in remote[gid] if not f.done()], return_when=FIRST_COMPLETED)
+        done = [gid for gid in waiting if all(f.done() for f in remote[gid])]
+        seconds = time.monotonic() - started
+        conclude(run, spec, [(waiting[gid], list(zip(pending[waiting[gid].key], (f.result() for f in remote[gid]),
+                                                      strict=True)), seconds) for gid in done], now, out)
+        for gid in done:
+            del waiting[gid]
+    return [out[gid] for gid in group_ids]
+
+
+def judged_remotely(group: PromptGroup) -> bool:
+    """A single-turn group whose verifier is a remote judge: its samples wait on the network, all at once."""
+    return bool(group.domain is not None and group.domain.environment == "single_turn"
+                and remote_judge(group.domain.verifier))
+
+
+def submit_remote(group: PromptGroup, rows: list[Trajectory]) -> list[Future[Any]]:
+    """Ask the remote judge about every sample of the group at once, on the judge threads."""
+    reference = group.task.reference if group.task else {}
+    assert group.domain is not None
+    verifier, kind = group.domain.verifier, group.domain.kind
+    return [judge_pool().submit(judge, verifier, t.prompt, t.completion, reference, kind) for t in rows]
+
+
+def conclude(run: Run, spec: RunSpec, judged: list[tuple[PromptGroup, list[tuple[Trajectory, Any]], float]],
+             now: Any, out: dict[int, str]) -> None:
+    """Write the verdicts of these judged groups (with how long they waited and took), finish each whose
+    samples are all judged, and tell the control worker if that changes what it would do."""
+    with transaction.atomic():
+        record_verdicts([v for _, verdicts, _ in judged for v in verdicts])
+        for group, _, seconds in judged:
+            PromptGroup.objects.filter(pk=group.pk, verify_s__isnull=True).update(
+                verify_wait_s=(now - group.updated_at).total_seconds(), verify_s=seconds)
+    states: dict[str, list[tuple[str, str]]] = {g.key: [] for g, _, _ in judged}
+    # order_by(): the model's default order (-id) made SQLite walk the run's whole (run, -id) index, a cost
+    # that grew with the run (4.7 ms a group at 11,000 samples); unordered, it reads the groups' own rows
+    for key, verdict, reason in (Trajectory.objects.filter(run_id=run.pk, group_key__in=list(states)).order_by()
                                  .values_list("group_key", "verdict", "verdict_reason")):
         states[key].append((verdict, reason))
     finished = []
-    for group in groups:
+    for group, _, _ in judged:
         status = finish(group, spec.pipeline.invalid_retries, states[group.key])
         out[group.pk] = status or "pending"
         if status is not None:
@@ -213,4 +284,3 @@ def verify_groups(group_ids: list[int], holder: str) -> list[str]:
         if (G.DROPPED in finished or run_status != RunStatus.RUNNING
                 or (ready >= spec.pipeline.batch_prompts and not state.get("train_claim"))):
             messages.advance_run(run.pk)
-    return [out[gid] for gid in group_ids]
