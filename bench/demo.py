@@ -9,9 +9,9 @@ match on 300 tasks every 10 versions).
 * **bare**: ``workers.policy.demo_loop.run_grpo`` in a process of its own, synchronous, no Celery, no
   database, one torch thread, with the spec's trainer settings and the full system's own tasks (train tasks
   in admission order, the same 300 held-out tasks);
-* **full**: what ``make run`` does from its first command, in a fresh ``TEMPER_VAR_DIR`` (SQLite, the embedded
-  Redis on a free port): ``manage.py migrate``, then ``manage.py up`` (web, control, GPU and sandbox
-  workers, beat), which seeds the demo and starts the run. The clock starts before ``migrate``.
+* **full**: what ``make run`` runs, in a fresh ``TEMPER_VAR_DIR`` (SQLite, the embedded Redis on a free port):
+  ``manage.py up``, which migrates the new database, starts the web server, the control, GPU and sandbox
+  workers and beat, and seeds the demo and starts its run. The clock starts before ``up``.
 
 For each: time to +40 points of held-out accuracy over its start (from the first command), steps per
 second, device seconds per trajectory and the held-out curve. For the full system, where its wall time goes
@@ -151,7 +151,6 @@ def measure_full(budget: float, keep: bool) -> dict[str, Any]:
     port = free_port()
     log = (work / "up.log").open("wb")
     t0 = time.time()
-    subprocess.run([sys.executable, "manage.py", "migrate", "--noinput", "-v", "0"], cwd=REPO, env=env, check=True)
     up = subprocess.Popen([sys.executable, "manage.py", "up", "--port", str(port)], cwd=REPO, env=env,
                           stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     page_s = None
@@ -281,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         print("bare loop …", file=sys.stderr)
         results["bare"] = measure_bare(spec, args.budget)
     if args.only != "bare":
-        print("full system (make run's commands) …", file=sys.stderr)
+        print("full system (make run's command) …", file=sys.stderr)
         results["full"] = measure_full(args.budget, args.keep)
     report(results)
     return 0

@@ -10,9 +10,11 @@ from __future__ import annotations
 import os
 
 from celery import Celery, Task
-from celery.signals import worker_init
+from celery.signals import celeryd_init, worker_init
 from django.db.utils import InterfaceError, OperationalError
 from kombu import Exchange, Queue
+
+from workers.policy import resident
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "webapp.settings")
 
@@ -72,6 +74,16 @@ def _no_query_log(**_: object) -> None:
     from django.conf import settings
 
     settings.DEBUG = False
+
+
+@celeryd_init.connect(weak=False)
+def _warm_up_policy(options: dict[str, object] | None = None, **_: object) -> None:
+    """A worker that consumes the rollout queue imports torch and transformers while it starts
+    (``resident.warm_up``), not in its first task."""
+    queues = (options or {}).get("queues") or ""
+    names = queues.split(",") if isinstance(queues, str) else list(queues)  # type: ignore[call-overload]
+    if "rollout" in names:
+        resident.warm_up()
 
 
 # Where each task's time goes, when TEMPER_PROFILE names a directory (bench/demo.py): a no-op otherwise.

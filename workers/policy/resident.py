@@ -34,6 +34,7 @@ DEVICE = threading.Lock()
 """Held for every stretch of device work: one task on the device at a time."""
 _STEPS: dict[int, threading.Event] = {}  # run id -> set when that run's train step here is recorded
 _STEPS_LOCK = threading.Lock()
+_WARM_UP: threading.Thread | None = None
 
 
 @dataclass
@@ -104,6 +105,39 @@ def _cpu_threads() -> None:
     sys.setswitchinterval(float(os.environ.get("TEMPER_SWITCH_INTERVAL_S", "0.0005")))
 
 
+def warm_up() -> threading.Thread:
+    """Import torch, transformers and the engine and trainer modules on a thread of their own, as the worker
+    starts: ~4 s of imports on this machine that the first rollout task would otherwise wait for (the demo's
+    first held-out evaluation came 5 s after the worker was ready). ``engine_for`` and ``trainer_for`` wait
+    for it to finish (``_warmed``): transformers' lazy attributes are not safe to resolve from two threads at
+    once (a first ``generate`` racing it raised ``cannot import name 'AutoModelForCausalLM'``). An import
+    error is raised again in the task, where it is seen."""
+    global _WARM_UP
+
+    def imports() -> None:
+        import contextlib
+        import importlib
+
+        for name in ("torch", "transformers", "workers.policy.torch_engine", "workers.policy.trainer"):
+            with contextlib.suppress(Exception):
+                importlib.import_module(name)
+        with contextlib.suppress(Exception):
+            import transformers
+
+            # transformers imports lazily: naming these loads what from_pretrained and generate use
+            transformers.AutoModelForCausalLM, transformers.AutoTokenizer, transformers.GenerationMixin  # noqa: B018
+
+    thread = _WARM_UP = threading.Thread(target=imports, name="temper-warm-up", daemon=True)
+    thread.start()
+    return thread
+
+
+def _warmed() -> None:
+    """Wait for ``warm_up``'s imports, if they were started."""
+    if _WARM_UP is not None:
+        _WARM_UP.join()
+
+
 def _param_bytes(module: Any, trainable_factor: int = 0) -> int:
     """Parameter bytes, plus ``trainable_factor`` times the trainable ones (gradients, AdamW moments)."""
     total = trainable = 0
@@ -152,6 +186,7 @@ def engine_for(name: str, base_model_dir: Path, seed: int = 0, chat_template: st
     from workers.policy.device import torch_dtype
     from workers.policy.engines import load_engine
 
+    _warmed()
     _cpu_threads()
     key = (name, str(base_model_dir), chat_template)
     found = _ENGINES.get(key)
@@ -189,6 +224,7 @@ def serves(engine: Any) -> tuple[int | None, int] | None:
 def trainer_for(run_id: int, base_model_dir: Path, config: Any, version_dir: Path | None, version: int,
                 step: int) -> Any:
     """The run's resident trainer; rebuilt from the newest saved version if it is missing or behind."""
+    _warmed()
     from workers.policy.trainer import Trainer
 
     where = placement()

@@ -9,9 +9,9 @@ guess: a reward that comes from multi-step feedback), are left as drafts to star
 
 from __future__ import annotations
 
+import importlib
 import json
 from collections.abc import Callable, Iterable
-from pathlib import Path
 from typing import Any
 
 from django.conf import settings
@@ -84,7 +84,7 @@ DEMO_RUN_SPEC: dict[str, Any] = {
 
 
 def calibration_cases(domain: str) -> list[dict[str, Any]]:
-    from workers.policy.demo_model import demo_tasks
+    from workers.policy.demo_tasks import demo_tasks
 
     rows = demo_tasks(domain, 6, seed=99, split="train")
     cases = [{"completion": r["answer"], "reference": {"answer": r["answer"]}, "expected": "pass", "label": "good"}
@@ -104,11 +104,11 @@ class Command(BaseCommand):
         parser.add_argument("--start", action="store_true")
 
     def handle(self, *args: Any, **opts: Any) -> None:
-        from workers.policy.demo_model import DOMAINS, build_demo_model
+        from workers.policy.demo_tasks import DOMAINS
 
         User = get_user_model()
         owner, _ = User.objects.get_or_create(username=opts["user"], defaults={"is_staff": True, "is_superuser": True})
-        base_model = self.base_model(owner, "demo", DEMO_MODEL_DIR, build_demo_model,
+        base_model = self.base_model(owner, "demo", DEMO_MODEL_DIR, "workers.policy.demo_model:build_demo_model",
                                      "Tiny Qwen2 built by Temper (workers/policy/demo_model.py)")
         self.base_model(owner, "demo-long", LONG_MODEL_DIR, None,
                         "The demo model declared with a 1,024-token context, for domains with longer prompts (a "
@@ -124,27 +124,35 @@ class Command(BaseCommand):
                 CalibrationReport.objects.create(verifier=verifier, status=CalibrationReport.Status.RUNNING))
             verifier.refresh_from_db()
             self.stdout.write(f"calibrated {verifier.name}: {verifier.calibration_status} {report.error}".rstrip())
-        domains = {name: self.domain_with_tasks(owner, name, pool_rows(name), {
-            "kind": "answer", "verifier": verifier,
-            "description": f"Demo domain: {name} (workers/policy/demo_model.py)"}) for name in DOMAINS}
+
+        def domain(name: str) -> TaskDomain:
+            return self.domain_with_tasks(owner, name, pool_rows(name), {
+                "kind": "answer", "verifier": verifier,
+                "description": f"Demo domain: {name} (workers/policy/demo_model.py)"})
+
+        # The demo run's own domain first, and the run started before the other demos are seeded: under
+        # `make run` the workers are already up, and its first steps overlap the seconds of imports left.
+        addition = domain("addition")
         run = Run.objects.filter(owner=owner, name="demo: addition").first()
         if run is None:
             run = do_create_run(owner, name="demo: addition", base_model=base_model,
-                                domains=[DomainWeight(domains["addition"])], spec=DEMO_RUN_SPEC,
+                                domains=[DomainWeight(addition)], spec=DEMO_RUN_SPEC,
                                 description="GRPO with LoRA on the demo model: watch held-out reward rise")
         if opts["start"] and run.status == "draft":
             do_start_run(run, actor=owner)
             self.stdout.write(f"started run #{run.pk} {run.name}")
-        self.seed_tool_demo(owner, verifier, domains["addition"])
+        for name in DOMAINS:
+            if name != "addition":
+                domain(name)
+        self.seed_tool_demo(owner, verifier, addition)
         self.seed_guess_demo(owner, verifier)
 
     def seed_tool_demo(self, owner: Any, verifier: Verifier, addition: TaskDomain) -> None:
         """The tool demo: its base model, the ``product`` domain in the python_tool environment, and a draft
         run over it and over ``addition`` (answered in the model's head, single-turn): the run's evaluation has
         both layers, end-to-end episodes and capability items."""
-        from workers.policy.tool_demo_model import build_tool_demo_model
-
-        base_model = self.base_model(owner, "demo-tool", TOOL_MODEL_DIR, build_tool_demo_model,
+        base_model = self.base_model(owner, "demo-tool", TOOL_MODEL_DIR,
+                                     "workers.policy.tool_demo_model:build_tool_demo_model",
                                      "The demo model with a 128-token context, primed to call a Python tool "
                                      "(workers/policy/tool_demo_model.py)")
         domain = self.domain_with_tasks(owner, "product", pool_rows("product"), {
@@ -161,9 +169,8 @@ class Command(BaseCommand):
         """The guess-the-number demo: its base model, the ``guess`` domain in the guess_number environment
         (1-15, four guesses, higher/lower feedback), and a draft run."""
         from workers.environments.guess_number import GuessNumber, demo_rows
-        from workers.policy.guess_demo_model import build_guess_demo_model
-
-        base_model = self.base_model(owner, "demo-guess", GUESS_MODEL_DIR, build_guess_demo_model,
+        base_model = self.base_model(owner, "demo-guess", GUESS_MODEL_DIR,
+                                     "workers.policy.guess_demo_model:build_guess_demo_model",
                                      "The demo model with a 128-token context, pre-trained on simulated players "
                                      "of guess the number (workers/policy/guess_demo_model.py)")
         domain = self.domain_with_tasks(owner, "guess", lambda: demo_rows(GuessNumber.Params.model_validate({})), {
@@ -176,14 +183,15 @@ class Command(BaseCommand):
                           description="Multi-turn GRPO on feedback: the model learns to use higher and lower to "
                                       "find the number. Start it from this page.")
 
-    def base_model(self, owner: Any, name: str, rel_dir: str, build: Callable[[Path], Any] | None,
-                   description: str) -> BaseModel:
+    def base_model(self, owner: Any, name: str, rel_dir: str, build: str | None, description: str) -> BaseModel:
         """The demo base model ``name`` registered for ``owner``; its directory is built first when missing
-        (a few minutes, once; ``build`` None: it is committed, nothing to build)."""
+        (a few minutes, once) by ``build``, ``module:function``, imported only then: the builders import
+        torch (~2 s of CPU that `make run`'s start would spend for nothing); None: it is committed."""
         model_dir = settings.BASE_DIR / rel_dir
         if build is not None and not (model_dir / "config.json").exists():
+            module, function = build.split(":")
             self.stdout.write(f"building the base model {name} into {model_dir} (a few minutes, once) …")
-            build(model_dir)
+            getattr(importlib.import_module(module), function)(model_dir)
         model, _ = BaseModel.objects.get_or_create(
             owner=owner, name=name, defaults={"path": rel_dir, "parameters": 1_084_288, "description": description})
         return model

@@ -191,11 +191,13 @@ class Command(BaseCommand):
 
         call_command("migrate", interactive=False, verbosity=0)  # a fresh database, or a newer checkout
         user, password = ensure_demo_login()
-        if not opts["no_demo"]:
-            call_command("seed_demo", user=user, start=True, stdout=self.stdout)
+        # The processes start before the demo is seeded: their imports (torch and transformers in the GPU
+        # worker, ~4 s) overlap the seeding (~5 s of task imports), and a run it starts waits in the queue.
         options = self._options(opts)
         for role in ROLES:
             self._spawn(role.name, role_argv(role, **options), nice=role.nice)
+        if not opts["no_demo"]:
+            call_command("seed_demo", user=user, start=True, stdout=self.stdout)
         # A (re)start: hand out again, at once, whatever the last life left in flight (its queued messages
         # died with the embedded Redis; see kick_active_runs), instead of waiting for the beat's next tick.
         from workers import messages
