@@ -116,13 +116,12 @@ def warm_up() -> threading.Thread:
 
     def imports() -> None:
         import contextlib
-        import importlib
 
-        for name in ("torch", "transformers", "workers.policy.torch_engine", "workers.policy.trainer"):
-            with contextlib.suppress(Exception):
-                importlib.import_module(name)
         with contextlib.suppress(Exception):
             import transformers
+
+            import workers.policy.torch_engine
+            import workers.policy.trainer  # noqa: F401
 
             # transformers imports lazily: naming these loads what from_pretrained and generate use
             transformers.AutoModelForCausalLM, transformers.AutoTokenizer, transformers.GenerationMixin  # noqa: B018

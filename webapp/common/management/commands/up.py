@@ -192,7 +192,7 @@ class Command(BaseCommand):
         call_command("migrate", interactive=False, verbosity=0)  # a fresh database, or a newer checkout
         user, password = ensure_demo_login()
         # The processes start before the demo is seeded: their imports (torch and transformers in the GPU
-        # worker, ~4 s) overlap the seeding (~5 s of task imports), and a run it starts waits in the queue.
+        # worker, ~4 s) overlap the seeding (~3 s of task imports), and a run it starts waits in the queue.
         options = self._options(opts)
         for role in ROLES:
             self._spawn(role.name, role_argv(role, **options), nice=role.nice)
