@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 
 from celery import Celery, Task
-from celery.signals import celeryd_init, worker_init
+from celery.signals import celeryd_init, task_prerun, worker_init
 from django.db.utils import InterfaceError, OperationalError
 from kombu import Exchange, Queue
 
@@ -74,6 +74,35 @@ def _no_query_log(**_: object) -> None:
     from django.conf import settings
 
     settings.DEBUG = False
+
+
+KEEP_CONNECTIONS = "DB_CONN_MAX_AGE" not in os.environ
+"""A worker keeps its database connection between tasks (one per pool thread or process) unless
+``DB_CONN_MAX_AGE`` says otherwise. Celery's Django fixup closes it before and after every task unless
+``CELERY_DB_REUSE_MAX`` is set, so every task paid a connect (on SQLite, an open and two PRAGMAs: ~6 % of a
+verify task, on each step's critical path, ``bench/demo.py``). It is checked before each task instead, as
+Django checks it before each request (``close_old_connections``: closed after an error it does not survive,
+a PostgreSQL connection pinged first)."""
+if KEEP_CONNECTIONS:
+    app.conf.update(CELERY_DB_REUSE_MAX=2**62)  # the fixup's own name; it counts tasks up to twice this
+
+
+@worker_init.connect(weak=False)
+def _keep_connections(**_: object) -> None:
+    from django.db import connections
+
+    if KEEP_CONNECTIONS:
+        for alias in connections:
+            connections.settings[alias].update(CONN_MAX_AGE=None, CONN_HEALTH_CHECKS=True)
+
+
+@task_prerun.connect(weak=False)
+def _check_connections(task: Task | None = None, **_: object) -> None:
+    # an eager task runs inside its caller's request or transaction: its connection is the caller's
+    if KEEP_CONNECTIONS and not (task is not None and getattr(task.request, "is_eager", False)):
+        from django.db import close_old_connections
+
+        close_old_connections()
 
 
 @celeryd_init.connect(weak=False)

@@ -109,3 +109,25 @@ def test_full_finetune_at_high_lr_collapses_and_is_reported(
     assert report.collapsed and report.collapse_step is not None and report.collapse_step < 100
     assert "identical" in (report.collapse_reason or "")
     assert report.after < report.before
+
+
+@pytest.mark.parametrize("lag", [0, 1])
+def test_lag_trains_on_batches_sampled_that_many_versions_back(
+    lag: int, demo_dir: Path, tmp_path: Path, one_thread: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``run_grpo(lag=n)`` is the asynchronous pipeline's staleness in the bare loop: step k trains on
+    samples of version k-1-n (the base model's while k-1-n < 0), and every step still trains."""
+    from workers.policy.trainer import Trainer
+
+    seen: list[tuple[int, set[int]]] = []
+    original = Trainer.train_step
+
+    def spy(self: Trainer, groups: list, *args: object, **kwargs: object) -> object:
+        seen.append((self.version, {s.version for g in groups for s in g.samples}))
+        return original(self, groups, *args, **kwargs)
+
+    monkeypatch.setattr(Trainer, "train_step", spy)
+    report = run_grpo(demo_dir, tmp_path, engine_name="torch", config=TrainerConfig(lr=1e-4, lora_rank=0, seed=0),
+                      max_steps=4, time_budget_s=NO_TIME_LIMIT, eval_every=1000, heldout_size=8, lag=lag)
+    assert report.steps == 4
+    assert seen == [(v, {max(0, v - lag)}) for v in range(4)]

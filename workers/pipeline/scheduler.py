@@ -243,7 +243,9 @@ def plan(state: PipelineState, limits: PipelineLimits) -> Plan:
         result.complete = not state.training
         return result
     result.train = not state.training and state.ready >= limits.batch_groups
-    capacity = admission_capacity(state, limits)
+    # the step claimed now trains from this tick on: with admit_ahead, its successors are admitted in the same
+    # tick, so their rollout is prepared while it trains, not after it has recorded its version
+    capacity = admission_capacity(replace(state, training=True) if result.train else state, limits)
     if capacity < min(limits.rollout_batch, limits.batch_groups) and (
             state.waiting > 0 or state.training or result.train):
         # the GPU worker has work queued (a rollout task still to come, or a train step): wait for room

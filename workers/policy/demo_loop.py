@@ -63,11 +63,14 @@ def run_grpo(
     progress: Callable[[dict[str, Any]], None] | None = None,
     train_rows: list[dict[str, str]] | None = None,
     heldout_rows: list[dict[str, str]] | None = None,
+    lag: int = 0,
 ) -> LoopReport:
     """Run GRPO on one demo domain until ``max_steps``, ``time_budget_s``, held-out >= ``target`` or
     held-out >= the starting accuracy + ``early_stop_gain``.
 
     Evaluation time counts towards the budget. Returns held-out greedy exact match before and after.
+    ``lag``: train each step on a batch sampled ``lag`` versions before the newest, as the asynchronous
+    pipeline may (``max_staleness``); 0 is on-policy.
     """
     started = time.monotonic()
     cfg = config or TrainerConfig(seed=seed)
@@ -86,13 +89,20 @@ def run_grpo(
         target = min(target if target is not None else 1.0, before + early_stop_gain)
     spec = SamplingParams(n=group_size, temperature=cfg.temperature, max_tokens=6)
     work = Path(work_dir)
-    for step in range(1, max_steps + 1):
+
+    def sample_batch(step: int) -> list[Group]:
         rows = train_rows[(step - 1) * prompts_per_step : step * prompts_per_step]
         samples = eng.generate([r["prompt"] for r in rows], spec)
         groups = []
         for i, row in enumerate(rows):
             chunk = samples[i * group_size : (i + 1) * group_size]
             groups.append(Group(samples=chunk, rewards=[exact_match(s.text, row["answer"]) for s in chunk]))
+        return groups
+
+    sampled = [sample_batch(step) for step in range(1, lag + 1)]
+    for step in range(1, max_steps + 1):
+        sampled.append(sample_batch(step + lag) if (step + lag) * prompts_per_step <= len(train_rows) else [])
+        groups = sampled.pop(0)
         metrics = trainer.train_step(groups)
         vdir = work / f"v{trainer.version + 1:05d}"
         trainer.save_version(vdir)

@@ -9,6 +9,7 @@ admission ahead of new prompts (``pipeline.invalid_retries``). A redelivered jud
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -18,11 +19,13 @@ from typing import Any
 from django.db import connection, transaction
 from django.utils import timezone
 
+from webapp.runs.loop import tick
 from webapp.runs.models import PromptGroup, Run, RunStatus, Trajectory, VerdictChoice
 from workers import messages
 from workers.pipeline.spec import RunSpec
 
 G = PromptGroup.Status
+log = logging.getLogger(__name__)
 
 
 def remote_judge(verifier_row: Any) -> bool:
@@ -106,27 +109,39 @@ def record_verdicts(verdicts: list[tuple[Trajectory, Any]]) -> None:
               v.latency_ms, t.pk, VerdictChoice.PENDING) for t, v in verdicts])
 
 
-def finish(group: PromptGroup, max_retries: int, verdicts: list[tuple[str, str]] | None = None) -> str | None:
-    """Once every sample has a verdict (its samples' (verdict, reason), read here unless given): the group
-    joins the ready buffer, or is dropped when no verdict is usable. Returns the group's new status, or None
-    while verdicts are missing (or when another delivery finished it first)."""
-    if verdicts is None:
-        verdicts = list(Trajectory.objects.filter(run_id=group.run_id, group_key=group.key).order_by()
-                        .values_list("verdict", "verdict_reason"))
+def outcome(group: PromptGroup, max_retries: int, verdicts: list[tuple[str, str]]) -> dict[str, Any] | None:
+    """What a group becomes once every sample has a verdict (its samples' (verdict, reason)): the ready
+    buffer, or dropped when no verdict is usable; its row's new fields, or None while verdicts are missing."""
     if not verdicts or any(v == VerdictChoice.PENDING for v, _ in verdicts):
         return None
     invalid = [reason for v, reason in verdicts if v == VerdictChoice.INVALID]
     retry = bool(invalid) and group.retries < max_retries
-    fields: dict[str, Any] = {"invalid": len(invalid), "retry_pending": retry, "holder": "",
-                              "updated_at": timezone.now()}
+    fields: dict[str, Any] = {"status": G.READY, "invalid": len(invalid), "retry_pending": retry, "holder": ""}
     if len(invalid) == len(verdicts):
-        status = G.DROPPED
+        fields["status"] = G.DROPPED
         fields["drop_reason"] = (f"every verdict invalid ({invalid[0][:80]})"
                                  + ("; prompt queued again" if retry else f"; no retry left after {group.retries}"))[:200]
-    else:
-        status = G.READY
-    changed = PromptGroup.objects.filter(pk=group.pk, status=G.VERIFYING).update(status=status, **fields)
-    return status if changed else None
+    return fields
+
+
+def finish(groups: list[tuple[PromptGroup, list[tuple[str, str]]]], max_retries: int) -> dict[int, str]:
+    """Finish the groups whose samples all have a verdict (``outcome``), in one statement per distinct
+    outcome (a batch's groups mostly share one: ready, none invalid). Returns the new status of each group
+    this call finished; one another delivery finished first is left out, as is one still missing verdicts."""
+    outcomes = {g.pk: o for g, verdicts in groups if (o := outcome(g, max_retries, verdicts)) is not None}
+    if not outcomes:
+        return {}
+    with transaction.atomic():
+        # locked where the database can (PostgreSQL): a concurrent delivery waits here, then reads them finished
+        verifying = set(PromptGroup.objects.select_for_update().filter(pk__in=list(outcomes), status=G.VERIFYING)
+                        .values_list("pk", flat=True))
+        same: dict[tuple[tuple[str, Any], ...], list[int]] = {}
+        for pk in verifying:
+            same.setdefault(tuple(sorted(outcomes[pk].items())), []).append(pk)
+        now = timezone.now()
+        for fields, pks in same.items():
+            PromptGroup.objects.filter(pk__in=pks, status=G.VERIFYING).update(**dict(fields), updated_at=now)
+    return {pk: outcomes[pk]["status"] for pk in verifying}
 
 
 IN_PROCESS_KINDS = frozenset({"exact_match", "json_match", "math"})
@@ -189,8 +204,8 @@ def verify_group(group_id: int, holder: str) -> str:
 def verify_groups(group_ids: list[int], holder: str) -> list[str]:
     """Judge every pending sample of these groups (of one run); each group whose samples are all judged
     joins the ready buffer (or is dropped). Their rows are read in one query; verdicts are written and groups
-    finished in a few statements for all the groups judged by then, and the control worker hears at most
-    once a time.
+    finished in a few statements for all the groups judged by then, and the run's next step is taken at most
+    once a time (``tick.advance``, in this process).
 
     A remote judge's samples are all sent at once, on this process's judge threads (``judge_pool``), while
     the other groups are judged in this thread. Then its groups are finished in waves, each as soon as its
@@ -258,29 +273,39 @@ def submit_remote(group: PromptGroup, rows: list[Trajectory]) -> list[Future[Any
 def conclude(run: Run, spec: RunSpec, judged: list[tuple[PromptGroup, list[tuple[Trajectory, Any]], float]],
              now: Any, out: dict[int, str]) -> None:
     """Write the verdicts of these judged groups (with how long they waited and took), finish each whose
-    samples are all judged, and tell the control worker if that changes what it would do."""
+    samples are all judged, and take the run's next step if that changes what it would be."""
+    table = connection.ops.quote_name(PromptGroup._meta.db_table)
     with transaction.atomic():
         record_verdicts([v for _, verdicts, _ in judged for v in verdicts])
-        for group, _, seconds in judged:
-            PromptGroup.objects.filter(pk=group.pk, verify_s__isnull=True).update(
-                verify_wait_s=(now - group.updated_at).total_seconds(), verify_s=seconds)
+        with connection.cursor() as cursor:  # one prepared statement for every group, as record_verdicts
+            cursor.executemany(f"UPDATE {table} SET verify_wait_s = %s, verify_s = %s WHERE id = %s AND verify_s IS NULL",
+                               [((now - group.updated_at).total_seconds(), seconds, group.pk)
+                                for group, _, seconds in judged])
     states: dict[str, list[tuple[str, str]]] = {g.key: [] for g, _, _ in judged}
     # order_by(): the model's default order (-id) made SQLite walk the run's whole (run, -id) index, a cost
     # that grew with the run (4.7 ms a group at 11,000 samples); unordered, it reads the groups' own rows
     for key, verdict, reason in (Trajectory.objects.filter(run_id=run.pk, group_key__in=list(states)).order_by()
                                  .values_list("group_key", "verdict", "verdict_reason")):
         states[key].append((verdict, reason))
-    finished = []
+    done = finish([(group, states[group.key]) for group, _, _ in judged], spec.pipeline.invalid_retries)
+    finished = list(done.values())
     for group, _, _ in judged:
-        status = finish(group, spec.pipeline.invalid_retries, states[group.key])
-        out[group.pk] = status or "pending"
-        if status is not None:
-            finished.append(status)
+        out[group.pk] = done.get(group.pk, "pending")
     if finished:
-        # Verification changes what the control worker would do only when a batch is ready to train, a group
-        # was dropped (it frees admission room), or the run is pausing or ended: otherwise spare it a call.
+        # Verification changes the run's next step only when a batch is ready to train, a group was dropped
+        # (it frees admission room), or the run is pausing or ended: otherwise spare the tick.
         run_status, state = Run.objects.filter(pk=run.pk).values_list("status", "state").get()
         ready = PromptGroup.objects.filter(run_id=run.pk, status=G.READY).count()
         if (G.DROPPED in finished or run_status != RunStatus.RUNNING
                 or (ready >= spec.pipeline.batch_prompts and not state.get("train_claim"))):
-            messages.advance_run(run.pk)
+            # Taken here rather than through the control queue, as a train step takes its next one: the train
+            # message is queued as the batch becomes ready, a broker round trip and a control task sooner
+            # (the device waits on exactly this when generation waits for the newest version, bench/demo.py).
+            # The verdicts are stored by now, so a redelivery of this task would skip the groups: if the
+            # decision fails here, the control worker takes it (with its own retries).
+            try:
+                tick.advance(run.pk)
+            except Exception:
+                log.warning("advance(%s) after verification failed; handed to the control queue", run.pk,
+                            exc_info=True)
+                messages.advance_run(run.pk)

@@ -1,0 +1,38 @@
+"""Finishing judged groups (``verification.finish``): one statement per distinct outcome, each group's own."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests import factories
+from webapp.runs.loop.verification import finish
+from webapp.runs.models import PromptGroup
+
+PASS, FAIL, INVALID, PENDING = ("pass", ""), ("fail", ""), ("invalid", "verifier crashed: boom"), ("pending", "")
+
+
+@pytest.mark.django_db
+def test_a_batch_of_groups_each_gets_its_own_outcome(user, django_assert_max_num_queries):
+    run = factories.run(user)
+    rows = {name: PromptGroup.objects.create(run=run, key=name, status="verifying", retries=retries, holder="w1")
+            for name, retries in (("ok", 0), ("ok2", 0), ("some_invalid", 0), ("all_invalid", 0),
+                                  ("all_invalid_last_try", 2), ("pending", 0), ("finished_elsewhere", 0))}
+    PromptGroup.objects.filter(pk=rows["finished_elsewhere"].pk).update(status="ready")
+    verdicts = {"ok": [PASS, FAIL], "ok2": [FAIL, PASS], "some_invalid": [PASS, INVALID],
+                "all_invalid": [INVALID, INVALID], "all_invalid_last_try": [INVALID, INVALID],
+                "pending": [PASS, PENDING], "finished_elsewhere": [PASS, PASS]}
+    # a read, then one update per distinct outcome (4 here: the two plain ready groups share one)
+    with django_assert_max_num_queries(7):
+        done = finish([(rows[name], verdicts[name]) for name in rows], max_retries=2)
+    by_name = {name: done.get(g.pk) for name, g in rows.items()}
+    assert by_name == {"ok": "ready", "ok2": "ready", "some_invalid": "ready", "all_invalid": "dropped",
+                       "all_invalid_last_try": "dropped", "pending": None, "finished_elsewhere": None}
+    fresh = {g.key: g for g in PromptGroup.objects.filter(run=run)}
+    assert fresh["ok"].invalid == 0 and not fresh["ok"].retry_pending and fresh["ok"].holder == ""
+    assert fresh["some_invalid"].invalid == 1 and fresh["some_invalid"].retry_pending
+    assert fresh["all_invalid"].status == "dropped" and fresh["all_invalid"].retry_pending
+    assert fresh["all_invalid"].drop_reason == "every verdict invalid (verifier crashed: boom); prompt queued again"
+    assert not fresh["all_invalid_last_try"].retry_pending
+    assert fresh["all_invalid_last_try"].drop_reason.endswith("no retry left after 2")
+    assert fresh["pending"].status == "verifying" and fresh["pending"].holder == "w1"
+    assert fresh["finished_elsewhere"].status == "ready" and fresh["finished_elsewhere"].holder == "w1"
