@@ -123,8 +123,15 @@ def warm_up() -> threading.Thread:
             import workers.policy.torch_engine
             import workers.policy.trainer  # noqa: F401
 
-            # transformers imports lazily: naming these loads what from_pretrained and generate use
+            # transformers imports lazily: naming these loads what from_pretrained and generate use, and what
+            # every decoder architecture's module imports (its layers and activations: ~0.3 s more)
             transformers.AutoModelForCausalLM, transformers.AutoTokenizer, transformers.GenerationMixin  # noqa: B018
+            transformers.PreTrainedModel  # noqa: B018
+            import transformers.activations
+            import transformers.modeling_layers
+
+            # a version is written at every train step: its "Writing model shards" bar filled the worker's log
+            transformers.utils.logging.disable_progress_bar()
 
     thread = _WARM_UP = threading.Thread(target=imports, name="temper-warm-up", daemon=True)
     thread.start()

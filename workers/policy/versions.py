@@ -64,7 +64,11 @@ def _is_peft(model: Any) -> bool:
 
 
 def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 24):  # a large model's weights are not read into memory whole
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def save_version(
