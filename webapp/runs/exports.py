@@ -121,10 +121,8 @@ def build_export(version_id: int, fmt: str) -> str:
                 for path in sorted(stage.rglob("*")):
                     if path.is_file():
                         archive.write(path, Path(f"run{version.run_id}-v{version.number}-{fmt}") / path.relative_to(stage))
-            digest = hashlib.sha256()
             with partial.open("rb") as f:
-                for chunk in iter(lambda: f.read(1 << 20), b""):
-                    digest.update(chunk)
+                digest = hashlib.file_digest(f, "sha256")
             partial.rename(out)
         record_export(version_id, fmt, path=out, size=out.stat().st_size, sha256=digest.hexdigest())
         return str(out)

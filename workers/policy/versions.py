@@ -64,11 +64,8 @@ def _is_peft(model: Any) -> bool:
 
 
 def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 24):  # a large model's weights are not read into memory whole
-            digest.update(chunk)
-    return digest.hexdigest()
+    with path.open("rb") as f:  # read in small buffers: a large model's weights are not read into memory whole
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def save_version(

@@ -192,17 +192,19 @@ class Command(BaseCommand):
         # The GPU worker starts first: its imports (torch and transformers) overlap the migration, the demo
         # login's password hash and the seeding (the first held-out evaluation came ~2 s sooner).
         options = self._options(opts)
-        for role in ROLES:
-            if role.early:
-                self._spawn(role.name, role_argv(role, **options), nice=role.nice)
+
+        def spawn(early: bool) -> None:
+            for role in ROLES:
+                if role.early == early:
+                    self._spawn(role.name, role_argv(role, **options), nice=role.nice)
+
+        spawn(early=True)
         _wait_redis(settings.REDIS_URL, timeout=15)
         from django.core.management import call_command
 
         call_command("migrate", interactive=False, verbosity=0)  # a fresh database, or a newer checkout
         # The other processes start before the demo is seeded, and a run it starts waits in the queue.
-        for role in ROLES:
-            if not role.early:
-                self._spawn(role.name, role_argv(role, **options), nice=role.nice)
+        spawn(early=False)
         user, password = ensure_demo_login()
         if not opts["no_demo"]:
             call_command("seed_demo", user=user, start=True, stdout=self.stdout)
