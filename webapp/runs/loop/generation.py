@@ -21,6 +21,7 @@ from webapp.common.bulk import insert_ignoring_conflicts
 from webapp.runs.loop import live, paths
 from webapp.runs.loop.admission import UNFIT
 from webapp.runs.loop.tick import wake_deferred
+from webapp.runs.loop.verification import judge_group, judged_inline, next_step, outcome, verdict_fields
 from webapp.runs.models import TERMINAL_STATUSES, PromptGroup, Run, Trajectory
 from workers import messages
 from workers.pipeline.spec import RunSpec
@@ -43,7 +44,8 @@ def claim(group_ids: list[int], holder: str) -> list[PromptGroup]:
     """admitted → generating, held by ``holder`` (a redelivered task finds nothing left to claim)."""
     PromptGroup.objects.filter(pk__in=group_ids, status=G.ADMITTED).update(
         status=G.GENERATING, holder=holder, updated_at=timezone.now())
-    return list(PromptGroup.objects.filter(pk__in=group_ids, status=G.GENERATING).select_related("task", "domain"))
+    return list(PromptGroup.objects.filter(pk__in=group_ids, status=G.GENERATING)
+                .select_related("task", "domain__verifier"))
 
 
 @dataclass(frozen=True)
@@ -65,23 +67,30 @@ class SampleRow:
 
 
 def write_samples(run_id: int, groups: dict[int, PromptGroup], rows: list[SampleRow], *,
-                  generate_s: float | None = None, wait_s: float | None = None) -> None:
-    """Write trajectories (idempotent on (run, group, index)) and move their groups to verifying.
+                  generate_s: float | None = None, wait_s: float | None = None,
+                  judged: dict[int, tuple[list[Any], float]] | None = None, max_retries: int = 0) -> list[str]:
+    """Write trajectories (idempotent on (run, group, index)) and move their groups to verifying; a group in
+    ``judged`` (its samples' verdicts in index order, and the seconds judging took) is written with its
+    verdicts and finished at once (``verification.outcome``: ready, or dropped when no verdict is usable).
+    Only groups still generating are written, so a redelivered task writes nothing twice. Returns the new
+    statuses of the groups finished.
 
     ``generate_s`` (the task's device seconds) is shared out over the groups and ``wait_s`` (their mean
     wait for a rollout task) stored on each: the train step reports both, so generation sends no message.
     """
-    with transaction.atomic():
+    judged = judged or {}
+    with transaction.atomic():  # IMMEDIATE on SQLite: the write lock from here on
+        held = set(PromptGroup.objects.filter(pk__in=list(groups), status=G.GENERATING).values_list("pk", flat=True))
+        rows = [r for r in rows if r.group_id in held]
         insert_ignoring_conflicts(Trajectory, [
             dict(run_id=run_id, task_id=groups[r.group_id].task_id, domain_id=groups[r.group_id].domain_id,
                  group_key=groups[r.group_id].key, sample_index=r.index, version=r.version, prompt=r.prompt,
                  completion=r.completion, prompt_token_ids=r.prompt_token_ids,
                  completion_token_ids=r.completion_token_ids, behaviour_logprobs=r.logprobs,
                  finish_reason=r.finish_reason, turns=list(r.turns), stop_reason=r.stop_reason, sandbox=r.sandbox,
-                 **counts(r.turns))
+                 **counts(r.turns), **(verdict_fields(judged[r.group_id][0][r.index]) if r.group_id in judged else {}))
             for r in rows
         ])
-        # one statement for every group of the batch: G samples each, all under the same version
         per_group: dict[int, int] = {}
         for r in rows:
             per_group[r.group_id] = per_group.get(r.group_id, 0) + 1
@@ -90,11 +99,23 @@ def write_samples(run_id: int, groups: dict[int, PromptGroup], rows: list[Sample
         for r in rows:
             oldest[r.group_id] = min(oldest.get(r.group_id, r.version), r.version)
         share = None if generate_s is None else generate_s / max(1, len(per_group))
-        for n, version in {(per_group[g], oldest[g]) for g in per_group}:
-            PromptGroup.objects.filter(pk__in=[g for g, k in per_group.items() if k == n and oldest[g] == version],
-                                       status=G.GENERATING).update(
-                status=G.VERIFYING, n_samples=n, generated_version=version, generate_s=share, generate_wait_s=wait_s,
-                holder="", updated_at=timezone.now())
+        finished: dict[int, str] = {}
+        # one statement per distinct set of new fields: a batch's groups mostly share one
+        same: dict[tuple[tuple[str, Any], ...], list[int]] = {}
+        for g in per_group:
+            fields: dict[str, Any] = {"status": G.VERIFYING, "n_samples": per_group[g], "generated_version": oldest[g]}
+            if g in judged:
+                verdicts, seconds = judged[g]
+                done = outcome(groups[g], max_retries, [(v.status, v.reason or "") for v in verdicts])
+                if done is not None:
+                    fields.update(done, verify_wait_s=0.0, verify_s=round(seconds, 6))
+                    finished[g] = done["status"]
+            same.setdefault(tuple(sorted(fields.items())), []).append(g)
+        now = timezone.now()
+        for fields_key, pks in same.items():
+            PromptGroup.objects.filter(pk__in=pks, status=G.GENERATING).update(
+                **{"holder": "", **dict(fields_key)}, generate_s=share, generate_wait_s=wait_s, updated_at=now)
+    return list(finished.values())
 
 
 def counts(turns: Any) -> dict[str, int]:
@@ -165,13 +186,39 @@ def generate(run_id: int, group_ids: list[int], holder: str) -> int:
         messages.advance_run(run_id)
         return 0
     waits = [(claimed_at - g.created_at).total_seconds() for g in groups]
-    write_samples(run_id, {g.pk: g for g in groups}, rows, generate_s=device_s, wait_s=sum(waits) / len(waits))
-    # One message hands the batch to the verify queue, which fans it out: the GPU worker goes back to the
-    # device at once, and every group is judged as soon as a verify worker is free.
-    messages.verify_batch(run_id, [g.pk for g in groups], [g.attempt for g in groups])
-    messages.advance_run(run_id)
+    judged = judge_inline([g for g in groups if judged_inline(g)], rows)
+    finished = write_samples(run_id, {g.pk: g for g in groups}, rows, generate_s=device_s,
+                             wait_s=sum(waits) / len(waits), judged=judged,
+                             max_retries=spec.pipeline.invalid_retries)
+    # One message hands the rest of the batch to the verify queue, which fans it out: the GPU worker goes
+    # back to the device at once, and every group is judged as soon as a verify worker is free.
+    rest = [g for g in groups if g.pk not in judged]
+    if rest:
+        messages.verify_batch(run_id, [g.pk for g in rest], [g.attempt for g in rest])
+    if not next_step(run_id, spec, finished):
+        messages.advance_run(run_id)
     wake_deferred(except_run=run_id)
     return len(rows)
+
+
+def judge_inline(groups: list[PromptGroup], rows: list[SampleRow]) -> dict[int, tuple[list[Any], float]]:
+    """The verdicts of these groups' samples (``verification.INLINE_KINDS``), judged here, each group
+    together: per group, its samples' verdicts in index order and the seconds they took."""
+    by_group: dict[int, list[SampleRow]] = {g.pk: [] for g in groups}
+    for r in rows:
+        if r.group_id in by_group:
+            by_group[r.group_id].append(r)
+    out: dict[int, tuple[list[Any], float]] = {}
+    for g in groups:
+        samples = sorted(by_group[g.pk], key=lambda r: r.index)
+        if not samples or [r.index for r in samples] != list(range(len(samples))):
+            continue  # not a whole group: the verify queue judges what was written
+        started = time.monotonic()
+        assert g.domain is not None
+        verdicts = judge_group(g.domain.verifier, [(r.prompt, r.completion) for r in samples],
+                               g.task.reference if g.task else {}, g.domain.kind)
+        out[g.pk] = (verdicts, time.monotonic() - started)
+    return out
 
 
 def context_tokens(engine: Any) -> int:

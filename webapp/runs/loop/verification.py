@@ -101,12 +101,15 @@ def record_verdicts(verdicts: list[tuple[Trajectory, Any]]) -> None:
         return
     details = Trajectory._meta.get_field("verifier_details")
     table = connection.ops.quote_name(Trajectory._meta.db_table)
+    columns = ("verdict", "reward", "verdict_reason", "verifier_details", "verify_latency_ms")
+    rows = []
+    for t, v in verdicts:
+        fields = verdict_fields(v)
+        fields["verifier_details"] = details.get_db_prep_save(fields["verifier_details"], connection)
+        rows.append((*(fields[c] for c in columns), t.pk, VerdictChoice.PENDING))
     with connection.cursor() as cursor:
-        cursor.executemany(
-            f"UPDATE {table} SET verdict = %s, reward = %s, verdict_reason = %s, verifier_details = %s, "
-            f"verify_latency_ms = %s WHERE id = %s AND verdict = %s",
-            [(v.status, v.score, v.reason or "", details.get_db_prep_save(v.to_dict().get("details", {}), connection),
-              v.latency_ms, t.pk, VerdictChoice.PENDING) for t, v in verdicts])
+        cursor.executemany(f"UPDATE {table} SET {', '.join(f'{c} = %s' for c in columns)} WHERE id = %s AND verdict = %s",
+                           rows)
 
 
 def outcome(group: PromptGroup, max_retries: int, verdicts: list[tuple[str, str]]) -> dict[str, Any] | None:
@@ -142,6 +145,52 @@ def finish(groups: list[tuple[PromptGroup, list[tuple[str, str]]]], max_retries:
         for fields, pks in same.items():
             PromptGroup.objects.filter(pk__in=pks, status=G.VERIFYING).update(**dict(fields), updated_at=now)
     return {pk: outcomes[pk]["status"] for pk in verifying}
+
+
+INLINE_KINDS = frozenset({"exact_match", "json_match"})
+"""Verifier kinds the GPU worker judges as it writes a rollout batch (``generation.write_samples``): string
+comparisons bounded by the completion's length, microseconds a sample, with no sandbox, no network and no
+signal (``math`` bounds itself with ``signal.alarm``, which only a main thread has: it stays on the verify
+queue). On the demo run (on-policy) the device waited ~25 ms a step for a verify task to read the batch back,
+judge it, write the verdicts and finish the groups; written with the samples, the batch is ready to train as
+its rollout task ends."""
+
+
+def judged_inline(group: PromptGroup) -> bool:
+    domain = group.domain
+    return bool(domain is not None and domain.environment == "single_turn" and domain.verifier is not None
+                and domain.verifier.kind in INLINE_KINDS)
+
+
+def verdict_fields(verdict: Any) -> dict[str, Any]:
+    """A verdict as its trajectory row stores it: the columns ``record_verdicts`` updates and
+    ``generation.write_samples`` inserts."""
+    return {"verdict": verdict.status, "reward": verdict.score, "verdict_reason": verdict.reason or "",
+            "verifier_details": verdict.to_dict().get("details", {}), "verify_latency_ms": verdict.latency_ms}
+
+
+def next_step(run_id: int, spec: RunSpec, finished: list[str]) -> bool:
+    """After groups were finished (``finished``: their new statuses), take the run's next step here if that
+    changes what it would be: a batch is ready to train, a group was dropped (it frees admission room), or
+    the run is pausing or ended. Returns whether it was taken (or handed to the control queue)."""
+    if not finished:
+        return False
+    run_status, state = Run.objects.filter(pk=run_id).values_list("status", "state").get()
+    if not (G.DROPPED in finished or run_status != RunStatus.RUNNING or (
+            not state.get("train_claim")
+            and PromptGroup.objects.filter(run_id=run_id, status=G.READY).count() >= spec.pipeline.batch_prompts)):
+        return False
+    # Taken here rather than through the control queue, as a train step takes its next one: the train
+    # message is queued as the batch becomes ready, a broker round trip and a control task sooner (the
+    # device waits on exactly this when generation waits for the newest version, bench/demo.py). The
+    # verdicts are stored by now, so a redelivery of the caller's task would skip the groups: if the decision
+    # fails here, the control worker takes it (with its own retries).
+    try:
+        tick.advance(run_id)
+    except Exception:
+        log.warning("advance(%s) after verification failed; handed to the control queue", run_id, exc_info=True)
+        messages.advance_run(run_id)
+    return True
 
 
 IN_PROCESS_KINDS = frozenset({"exact_match", "json_match", "math"})
@@ -288,24 +337,6 @@ def conclude(run: Run, spec: RunSpec, judged: list[tuple[PromptGroup, list[tuple
                                  .values_list("group_key", "verdict", "verdict_reason")):
         states[key].append((verdict, reason))
     done = finish([(group, states[group.key]) for group, _, _ in judged], spec.pipeline.invalid_retries)
-    finished = list(done.values())
     for group, _, _ in judged:
         out[group.pk] = done.get(group.pk, "pending")
-    if finished:
-        # Verification changes the run's next step only when a batch is ready to train, a group was dropped
-        # (it frees admission room), or the run is pausing or ended: otherwise spare the tick.
-        run_status, state = Run.objects.filter(pk=run.pk).values_list("status", "state").get()
-        ready = PromptGroup.objects.filter(run_id=run.pk, status=G.READY).count()
-        if (G.DROPPED in finished or run_status != RunStatus.RUNNING
-                or (ready >= spec.pipeline.batch_prompts and not state.get("train_claim"))):
-            # Taken here rather than through the control queue, as a train step takes its next one: the train
-            # message is queued as the batch becomes ready, a broker round trip and a control task sooner
-            # (the device waits on exactly this when generation waits for the newest version, bench/demo.py).
-            # The verdicts are stored by now, so a redelivery of this task would skip the groups: if the
-            # decision fails here, the control worker takes it (with its own retries).
-            try:
-                tick.advance(run.pk)
-            except Exception:
-                log.warning("advance(%s) after verification failed; handed to the control queue", run.pk,
-                            exc_info=True)
-                messages.advance_run(run.pk)
+    next_step(run.pk, spec, list(done.values()))

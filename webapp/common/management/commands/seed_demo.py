@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from webapp.catalog.models import BaseModel, CalibrationCase, CalibrationReport, TaskDomain, Verifier
 from webapp.catalog.services import do_import_tasks, do_run_calibration
+from webapp.runs.loop import tick
 from webapp.runs.models import Run
 from webapp.runs.services import DomainWeight, do_create_run, do_start_run
 
@@ -145,6 +146,10 @@ class Command(BaseCommand):
                                 description="GRPO with LoRA on the demo model: watch held-out reward rise")
         if opts["start"] and run.status == "draft":
             do_start_run(run, actor=owner)
+            # its first tick here, at once (the one it sent the control worker then finds it done): under
+            # `make run` the GPU worker is up before the control worker, whose start held the first rollout
+            # back ~1 s more
+            tick.advance(run.pk)
             self.stdout.write(f"started run #{run.pk} {run.name}")
         for name in DOMAINS:
             if name != "addition":

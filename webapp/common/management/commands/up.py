@@ -55,8 +55,9 @@ ROLES: tuple[Role, ...] = (
     # The beat schedule (kick_active_runs) re-issues work a lost message (a killed worker, a restarted
     # Redis) left behind. Exactly one beat may run per deployment; as its own process it is stopped like the
     # others (an embedded `worker -B` beat could outlive its worker when Ctrl-C came during its start).
+    # At nice 10 too: a timer, its start (~1.3 s of imports) yields to the GPU worker's.
     Role("beat", ("-m", "celery", "-A", "workers.celery", "beat", "-l", "INFO", "-s", "{var}/celerybeat-schedule"),
-         "the recovery tick (exactly one per deployment)"),
+         "the recovery tick (exactly one per deployment)", nice=10),
     # Two task threads share the device (workers/policy/resident.py): one computes while the other reads its
     # batch or writes its results, so the device does not wait on the database. One per GPU.
     # The two heavy workers run at nice 10: where they share cores with the web server and the browser (`make
@@ -203,16 +204,19 @@ class Command(BaseCommand):
         from django.core.management import call_command
 
         call_command("migrate", interactive=False, verbosity=0)  # a fresh database, or a newer checkout
+        # A (re)start: hand out again, at once, whatever the last life left in flight (its queued messages
+        # died with the embedded Redis) instead of waiting for the beat's next tick; here, before the demo is
+        # seeded. The first tick after a fresh broker hands out again everything in flight, and a run started
+        # in this life has lost nothing: as a kick after the seeding it re-sent the demo run's first rollout
+        # while the GPU worker held it (the work done twice, and the run's first batch drawn anew).
+        from webapp.runs.loop import tick
+
+        tick.recover_all()
         # The other processes start before the demo is seeded, and a run it starts waits in the queue.
         spawn(early=False)
         user, password = ensure_demo_login()
         if not opts["no_demo"]:
             call_command("seed_demo", user=user, start=True, stdout=self.stdout)
-        # A (re)start: hand out again, at once, whatever the last life left in flight (its queued messages
-        # died with the embedded Redis; see kick_active_runs), instead of waiting for the beat's next tick.
-        from workers import messages
-
-        messages.kick_active_runs()
         url = f"http://{opts['host']}:{opts['port']}"
         deadline = time.monotonic() + 60
         while not self.stopping:
