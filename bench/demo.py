@@ -129,7 +129,7 @@ def process_cpu() -> dict[str, float]:
             fields = stat.read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        role = ("gpu" if "rollout,train" in cmd else "verify" if "-Q verify" in cmd else "control" if "-Q control" in cmd
+        role = ("gpu" if "rollout,train" in cmd else "device" if "workers.policy.device_process" in cmd else "verify" if "-Q verify" in cmd else "control" if "-Q control" in cmd
                 else "beat" if " beat " in cmd else "web" if "daphne" in cmd else "redis" if "redis-server" in cmd
                 else "up" if "manage.py up" in cmd else None)
         if role is not None and "bench/demo.py" not in cmd:

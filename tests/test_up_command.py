@@ -72,7 +72,8 @@ def test_up_serves_pages_and_ctrl_c_stops_everything(tmp_path: Path):
         assert urllib.request.urlopen(f"http://127.0.0.1:{port}/admin/login/").status == 200
         children = descendants(proc.pid)
         assert len(children) >= 5  # redis, daphne, three celery workers (and their pool processes)
-        # the heavy workers (and their pool processes) yield the CPU to the web server and the control worker
+        # the heavy work (the sandbox workers and their pool processes, the GPU worker's device process) yields the
+        # CPU to the web server, the control worker and the GPU worker, which feeds the device
         niceness = {}
         for pid in children:
             with contextlib.suppress(OSError):
@@ -81,7 +82,15 @@ def test_up_serves_pages_and_ctrl_c_stops_everything(tmp_path: Path):
         by_role = {role: {n for cmd, n in niceness.items() if marker in cmd}
                    for role, marker in (("gpu", "gpu@%h"), ("sandbox", "sandbox@%h"), ("control", "control@%h"),
                                         ("web", "daphne"))}
-        assert by_role == {"gpu": {10}, "sandbox": {10}, "control": {0}, "web": {0}}, by_role
+        assert by_role == {"gpu": {0}, "sandbox": {10}, "control": {0}, "web": {0}}, by_role
+        # the GPU worker's device process takes the same nice once its imports are done (at nice 0 meanwhile)
+        device = [pid for cmd, pid in ((cmdline_of(pid), pid) for pid in children)
+                  if "workers.policy.device_process" in cmd]
+        assert len(device) == 1, [cmdline_of(pid) for pid in children]
+        deadline = time.monotonic() + 60
+        while int(stat(device[0])[16]) != 10:
+            assert time.monotonic() < deadline, "the device process never took nice 10"
+            time.sleep(0.2)
     finally:
         os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
         proc.wait(60)
@@ -93,6 +102,13 @@ def test_up_serves_pages_and_ctrl_c_stops_everything(tmp_path: Path):
     assert not left, f"left running after Ctrl-C: {left}"
     assert proc.returncode == 0, (tmp_path / "up.log").read_text()[-2000:]
     assert "Temper stopped." in (tmp_path / "up.log").read_text()
+
+
+def cmdline_of(pid: int) -> str:
+    try:
+        return (Path("/proc") / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
 
 
 def processes_with_env(marker: str) -> list[int]:

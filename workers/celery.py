@@ -14,7 +14,7 @@ from celery.signals import celeryd_init, task_prerun, worker_init
 from django.db.utils import InterfaceError, OperationalError
 from kombu import Exchange, Queue
 
-from workers.policy import resident
+from workers.policy import device_process, resident
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "webapp.settings")
 
@@ -106,13 +106,22 @@ def _check_connections(task: Task | None = None, **_: object) -> None:
 
 
 @celeryd_init.connect(weak=False)
-def _warm_up_policy(options: dict[str, object] | None = None, **_: object) -> None:
-    """A worker that consumes the rollout queue imports torch and transformers while it starts
-    (``resident.warm_up``), not in its first task."""
+def _start_device(options: dict[str, object] | None = None, **_: object) -> None:
+    """A GPU worker (one that consumes the rollout or train queue) starts its device process as it starts
+    (``workers.policy.device_process``: the engines, the trainers and every stretch of device work, beside
+    this process's bookkeeping), whose imports overlap the worker's own start. ``TEMPER_DEVICE_PROCESS=0``
+    keeps them in this process instead (imported on a thread of its own, ``resident.warm_up``)."""
     queues = (options or {}).get("queues") or ""
     names = queues.split(",") if isinstance(queues, str) else list(queues)  # type: ignore[call-overload]
-    if "rollout" in names:
+    if not {"rollout", "train"} & set(names):
+        return
+    if os.environ.get("TEMPER_DEVICE_PROCESS", "1") == "0":
         resident.warm_up()
+        # `manage.py up` leaves the nice of the device work to whoever does it (``TEMPER_NICE``): here, us
+        resident.lower_priority(int(os.environ.get("TEMPER_NICE") or 0))
+    else:
+        device_process.start()  # (``workers.gpu_worker`` started it already)
+        resident.keep_off_device_cpus()  # the device process has them (its affinity is its own from now on)
 
 
 # Where each task's time goes, when TEMPER_PROFILE names a directory (bench/demo.py): a no-op otherwise.

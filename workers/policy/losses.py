@@ -14,12 +14,14 @@ Shape conventions used throughout:
 from __future__ import annotations
 
 import math
-from typing import Literal
 
 import torch
 from torch import Tensor
 
-AdvantageKind = Literal["grpo", "dr_grpo", "rloo"]
+from workers.policy.steps import AdvantageKind, LossAggregation
+
+__all__ = ["AdvantageKind", "LossAggregation", "decoupled_ppo_clip", "entropy_from_logits", "group_advantages",
+           "kl_k3", "sample_advantages", "sequence_mean", "token_logprobs", "token_mean"]
 
 
 def group_advantages(rewards: Tensor, kind: AdvantageKind = "grpo", eps: float = 1e-6) -> Tensor:
@@ -131,7 +133,6 @@ def decoupled_ppo_clip(
     return -weight * objective, clipped, weight
 
 
-LossAggregation = Literal["token_mean", "sequence_mean"]
 
 
 def token_mean(values: Tensor, mask: Tensor) -> Tensor:

@@ -10,29 +10,41 @@ their parameters, and for a trainer its gradients and AdamW moments too). When a
 it, the least recently used are evicted first; an evicted trainer is rebuilt from its run's newest saved
 version (with a fresh optimizer, as after a worker restart).
 
-Everything is placed on ``TEMPER_DEVICE`` (``workers.policy.device``). The device is used by one task
-at a time (hold ``DEVICE``; ``webapp.runs.loop.live.on_device`` also times it). A GPU worker may run two
-tasks at once (``--pool threads --concurrency 2``): while one computes, the other reads its batch from the
-database or writes its results, so the device does not wait on bookkeeping.
+Everything is placed on ``TEMPER_DEVICE`` (``workers.policy.device``). The loop asks for device work in
+two requests: ``rollout`` (encode prompts, leave out those the model's context cannot take, switch to a
+version, sample, and judge with a string verifier where asked) and ``train`` (one step: advantages where the
+batch is assembled, the trainer's step, the version saved). A GPU worker may run two tasks at once
+(``--pool threads --concurrency 2``): while one computes, the other reads its batch from the database or
+writes its results, so the device does not wait on bookkeeping.
+
+In a GPU worker the engines and trainers live in a device process of its own
+(``workers.policy.device_process``, registered here by ``use_remote``): these functions then send it their
+requests, which it carries out one at a time in the order they come (its queue is the device's lock), and
+``rollout_async``/``train_async`` queue one without waiting, so a step can follow its rollout on the device
+at once (``webapp.runs.loop.training.plan_ahead``). This module's tables are then the child's. Elsewhere
+(tests, benches, a script) they are this process's, and ``DEVICE`` keeps one task on the device at a time
+(``holding_device``; ``webapp.runs.loop.live.on_device`` also times it).
 
 Pure: no Django (torch is imported where an engine or trainer is built).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterator
+from concurrent.futures import Future
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 DEVICE = threading.Lock()
 """Held for every stretch of device work: one task on the device at a time."""
-_STEPS: dict[int, threading.Event] = {}  # run id -> set when that run's train step here is recorded
+_STEPS: dict[int, TrainStep] = {}  # run id -> its train step under way in this process
 _STEPS_LOCK = threading.Lock()
 _WARM_UP: threading.Thread | None = None
 
@@ -51,13 +63,47 @@ _TRAINERS: OrderedDict[int, _Resident] = OrderedDict()
 _PLACEMENT: Any = None
 
 
+class Remote(Protocol):
+    """Where the engines and trainers are when not in this process (``device_process.DeviceClient``). Its
+    futures hold ``(value, seconds, cpu seconds)`` of the request."""
+
+    def engine_for(self, name: str, base_model_dir: Path, seed: int = ..., chat_template: str = ...) -> Any: ...
+
+    def serve(self, engine: Any, run_id: int, version: int, version_dir: Path | None) -> None: ...
+
+    def submit_rollout(self, engine: Any, prompts: list[Any], sampling: Any, serve: Serve | None,
+                       judges: list[Judge | None] | None, keep: str | None) -> Future[Any]: ...
+
+    def submit_train(self, run_id: int, base_model_dir: Path, config: Any, base: Serve, step: int,
+                     batch: list[tuple[list[Any], list[float | None]]] | None, kept: tuple[str, list[int]] | None,
+                     out_dir: Path, spec_hash: str | None) -> Future[Any]: ...
+
+    def drop_trainer(self, run_id: int) -> None: ...
+
+    def resolved_placement(self, wait: bool = ...) -> Any: ...
+
+    def snapshot(self) -> dict[str, Any]: ...
+
+
+_REMOTE: Remote | None = None
+
+
+def use_remote(remote: Remote | None) -> None:
+    """Hand out ``remote``'s engines and trainers from now on (None: this process's own again)."""
+    global _REMOTE
+    _REMOTE = remote
+
+
 def budget_bytes() -> int:
     return int(float(os.environ.get("TEMPER_RESIDENT_MB", "8192")) * 2**20)
 
 
-def placement() -> Any:
-    """Where this worker runs its engines and trainers (``TEMPER_DEVICE``), resolved once per process."""
+def placement(wait: bool = True) -> Any:
+    """Where this worker runs its engines and trainers (``TEMPER_DEVICE``), resolved once per process; with
+    ``wait`` False, None while a device process has not said yet (it is starting)."""
     global _PLACEMENT
+    if _REMOTE is not None:
+        return _REMOTE.resolved_placement(wait)
     if _PLACEMENT is None:
         from workers.policy.device import resolve
 
@@ -65,28 +111,59 @@ def placement() -> Any:
     return _PLACEMENT
 
 
+@dataclass
+class TrainStep:
+    """A train step of one run under way in this process. ``usable`` is set once its version may be asked
+    for — with ``version`` (number, directory) and ``step`` when that is before the step is recorded: a step
+    trained ahead and confirmed (``webapp.runs.loop.training.conclude_ahead``), whose version the device
+    process saves before any request queued after its own — and ``recorded`` once it is recorded or given
+    up."""
+
+    usable: threading.Event = field(default_factory=threading.Event)
+    recorded: threading.Event = field(default_factory=threading.Event)
+    version: tuple[int, Path] | None = None
+    step: int | None = None
+
+    def confirm(self, step: int, number: int, version_dir: Path) -> None:
+        self.step, self.version = step, (number, version_dir)
+        self.usable.set()
+
+
 @contextmanager
-def training(run_id: int) -> Iterator[None]:
+def training(run_id: int) -> Iterator[TrainStep]:
     """A train step of the run is under way in this process until its version is recorded."""
-    done = threading.Event()
+    step = TrainStep()
     with _STEPS_LOCK:
-        _STEPS[run_id] = done
+        _STEPS[run_id] = step
     try:
-        yield
+        yield step
     finally:
         with _STEPS_LOCK:
-            if _STEPS.get(run_id) is done:
+            if _STEPS.get(run_id) is step:
                 del _STEPS[run_id]
-        done.set()
+        step.usable.set()
+        step.recorded.set()
 
 
-def after_training(run_id: int, timeout: float = 120.0) -> None:
-    """Wait for the run's train step under way in this process, if any: prompts admitted while it trained
-    (async mode admits ahead) are meant for the version it produces."""
+def after_training(run_id: int, timeout: float = 120.0) -> TrainStep | None:
+    """Wait until the version of the run's train step under way in this process, if any, may be asked for:
+    prompts admitted while it trained (async mode admits ahead) are meant for the version it produces.
+    Returns the step when it is confirmed but not yet recorded (its ``version`` is then the one to sample
+    from, and ``recorded`` says when samples of it may be written)."""
     with _STEPS_LOCK:
-        done = _STEPS.get(run_id)
-    if done is not None:
-        done.wait(timeout)
+        step = _STEPS.get(run_id)
+    if step is None:
+        return None
+    step.usable.wait(timeout)
+    return step if step.version is not None and not step.recorded.is_set() else None
+
+
+def recorded(run_id: int, timeout: float = 120.0) -> None:
+    """Wait until the run's train step under way in this process, if any, is recorded (or given up)."""
+    with _STEPS_LOCK:
+        step = _STEPS.get(run_id)
+    if step is not None:
+        step.recorded.wait(timeout)
 
 
 def _cpu_threads() -> None:
@@ -136,6 +213,77 @@ def warm_up() -> threading.Thread:
     thread = _WARM_UP = threading.Thread(target=imports, name="temper-warm-up", daemon=True)
     thread.start()
     return thread
+
+
+def lower_priority(nice: int) -> None:
+    """Lower every thread of this process to ``nice`` at least (``TEMPER_NICE``: ``manage.py up`` asks it of
+    the GPU worker and its device process once they have started). Linux keeps a nice value per thread, and
+    a new thread inherits its creator's: each thread that exists now is set."""
+    if nice <= 0:
+        return
+    done: set[int] = set()
+    for _ in range(3):  # again for a thread started meanwhile by one not yet set
+        threads = _threads() - done
+        for tid in threads:
+            with contextlib.suppress(OSError):  # a thread that has ended since
+                os.setpriority(os.PRIO_PROCESS, tid, max(nice, os.getpriority(os.PRIO_PROCESS, tid)))
+        done |= threads
+
+
+def device_cpus() -> frozenset[int] | None:
+    """The CPUs a device process keeps for itself (``TEMPER_DEVICE_CPUS``): ``auto``, the default, is the last
+    ``TEMPER_TORCH_THREADS`` of the CPUs this process may use, when it may use more and the device is the
+    CPU (``TEMPER_DEVICE`` not CUDA, or ``auto`` on a machine without an NVIDIA driver); a list such as ``3``
+    or ``2,3``; ``none``. None when not pinned. Pure: no torch (``manage.py up`` asks it before any role
+    starts, to keep the others off those CPUs)."""
+    spec = (os.environ.get("TEMPER_DEVICE_CPUS") or "auto").strip().lower()
+    if spec == "none":
+        return None
+    if spec != "auto":
+        return frozenset(int(c) for c in spec.split(",") if c.strip())
+    device = (os.environ.get("TEMPER_DEVICE") or "auto").strip().lower()
+    if device.startswith("cuda") or (device == "auto" and Path("/dev/nvidiactl").exists()):
+        return None
+    allowed = sorted(os.sched_getaffinity(0))
+    threads = int(os.environ.get("TEMPER_TORCH_THREADS") or 1)
+    return frozenset(allowed[-threads:]) if len(allowed) > threads else None
+
+
+def pin_device_cpus() -> frozenset[int] | None:
+    """Keep this process — a device process, from its start: its imports run there too — on its CPUs
+    (``device_cpus``). Threads it starts later (torch's) inherit them. Returns the CPUs, or None.
+
+    *Why:* moved between cores by the scheduler as the worker's bookkeeping, the database and the web server
+    came and went, the demo model's requests ran ~25 % slower in CPU time than in a process alone (a rollout
+    70 ms, a step with its save 187 ms, against 54 and 147); pinned, 50-53 and 151-153 ms, and
+    ``bench/demo.py``'s full system went from 3.4-3.6 to 4.2 steps a second. ``manage.py up`` also keeps
+    every other process off those CPUs (``keep_off_device_cpus``): on this 2-core machine the verify worker,
+    a judge and the control worker otherwise preempted the device (``bench/pipeline.py``: its wall time per
+    trajectory 1.2-1.3x its CPU time in async mode)."""
+    cpus = device_cpus()
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+    return cpus
+
+
+def keep_off_device_cpus(cpus: frozenset[int] | None = None) -> None:
+    """Keep every thread of this process off the device process's CPUs (the GPU worker, once its device
+    process is started: its bookkeeping, like every other process's, runs beside the device, not on it)."""
+    cpus = device_cpus() if cpus is None else cpus
+    rest = set(os.sched_getaffinity(0)) - set(cpus or ())
+    if not cpus or not rest:
+        return
+    for tid in _threads():
+        with contextlib.suppress(OSError):  # a thread that has ended since
+            os.sched_setaffinity(tid, rest)
+
+
+def _threads() -> set[int]:
+    """This process's threads (Linux keeps a nice value and a CPU affinity per thread)."""
+    try:
+        return {int(tid) for tid in os.listdir("/proc/self/task")}
+    except OSError:  # not Linux: the process's own
+        return {0}
 
 
 def _warmed() -> None:
@@ -188,6 +336,8 @@ def _free_device_memory() -> None:
 def engine_for(name: str, base_model_dir: Path, seed: int = 0, chat_template: str = "") -> Any:
     """The resident engine of a base model (loaded on first use, on this worker's device); a registered
     ``chat_template`` replaces its tokenizer's own (one resident engine per template)."""
+    if _REMOTE is not None:
+        return _REMOTE.engine_for(name, base_model_dir, seed, chat_template)
     from workers.policy.chat import apply_override
     from workers.policy.device import torch_dtype
     from workers.policy.engines import load_engine
@@ -213,6 +363,9 @@ def engine_for(name: str, base_model_dir: Path, seed: int = 0, chat_template: st
 
 def serve(engine: Any, run_id: int, version: int, version_dir: Path | None) -> None:
     """Point a resident engine at version ``version`` of run ``run_id`` unless it serves exactly that."""
+    if _REMOTE is not None:
+        _REMOTE.serve(engine, run_id, version, version_dir)
+        return
     wanted = (None, 0) if version == 0 else (run_id, version)
     for resident in _ENGINES.values():
         if resident.obj is engine:
@@ -229,7 +382,8 @@ def serves(engine: Any) -> tuple[int | None, int] | None:
 
 def trainer_for(run_id: int, base_model_dir: Path, config: Any, version_dir: Path | None, version: int,
                 step: int) -> Any:
-    """The run's resident trainer; rebuilt from the newest saved version if it is missing or behind."""
+    """The run's resident trainer (in this process); rebuilt from the newest saved version if it is missing or
+    behind."""
     _warmed()
     from workers.policy.trainer import Trainer
 
@@ -249,8 +403,198 @@ def trainer_for(run_id: int, base_model_dir: Path, config: Any, version_dir: Pat
     return found.obj
 
 
+Serve = tuple[int, int, Path | None]
+"""(run id, version number, version directory): the version a request samples from or trains on."""
+
+
+@dataclass(frozen=True)
+class Judge:
+    """How ``rollout`` judges one prompt's samples as they are generated: a string verifier
+    (``webapp.runs.loop.verification.INLINE_KINDS``) with its configuration, and the task's reference and
+    domain kind."""
+
+    kind: str | None
+    """The verifier kind; None when the domain has none (every verdict invalid, saying so)."""
+    config: dict[str, Any]
+    reference: Any
+    domain_kind: str | None
+
+
+@dataclass
+class Rollout:
+    """What ``rollout`` gives."""
+
+    samples: list[Any]
+    """Of the prompts kept, prompt-major (``sampling.n`` each)."""
+    kept: list[int]
+    """The indices of the prompts generated."""
+    too_long: dict[int, int]
+    """Prompts refused, with their tokens: they leave no room in the model's context for ``max_tokens``."""
+    context: int
+    """The model's context in tokens (0 when the engine does not say)."""
+    judged: list[tuple[list[Any], float] | None] | None = None
+    """Per kept prompt, when ``judges`` were given: its samples' verdicts and the seconds judging took (None
+    for a prompt without a judge)."""
+
+
+_KEPT: OrderedDict[str, Rollout] = OrderedDict()
+"""Rollouts kept for a step trained ahead (``rollout_async(keep=...)``), by token; the few newest."""
+
+
+def rollout(engine: Any, prompts: list[Any], sampling: Any, *, serve: Serve | None = None,
+            judges: list[Judge | None] | None = None) -> Rollout:
+    """Sample ``sampling.n`` completions of each prompt that fits the model's context, under ``serve``
+    (the engine's current version when None), and judge them where ``judges`` say how."""
+    if _REMOTE is not None:
+        return wait(_REMOTE.submit_rollout(engine, prompts, sampling, serve, judges, None))
+    return _rollout(engine, prompts, sampling, serve, judges, None)
+
+
+def rollout_async(engine: Any, prompts: list[Any], sampling: Any, *, serve: Serve | None,
+                  judges: list[Judge | None] | None, keep: str) -> Future[Any]:
+    """``rollout`` queued in the device process without waiting, its result kept there under ``keep`` for a
+    ``train_async`` queued next (``result`` reads the future)."""
+    if _REMOTE is None:
+        raise RuntimeError("queueing device work needs the device process (workers.policy.device_process)")
+    return _REMOTE.submit_rollout(engine, prompts, sampling, serve, judges, keep)
+
+
+def _rollout(engine: Any, prompts: list[Any], sampling: Any, serve_: Serve | None, judges: list[Judge | None] | None,
+             keep: str | None) -> Rollout:
+    from workers.policy.chat import prompt_text
+    from workers.policy.engines import encode_prompts
+    from workers.verifiers.base import JudgeInput, judge_all
+
+    contexts = encode_prompts(engine.tokenizer, prompts)
+    limit = int(getattr(engine, "max_context", 0) or 0)
+    too_long = {i: len(ids) for i, ids in enumerate(contexts) if limit and len(ids) + sampling.max_tokens > limit}
+    kept = [i for i in range(len(prompts)) if i not in too_long]
+    if serve_ is not None:
+        serve(engine, *serve_)
+    samples = list(engine.generate_ids([contexts[i] for i in kept], sampling)) if kept else []
+    out = Rollout(samples=samples, kept=kept, too_long=too_long, context=limit)
+    if judges is not None:
+        out.judged = []
+        for n, i in enumerate(kept):
+            judge = judges[i]
+            if judge is None:
+                out.judged.append(None)
+                continue
+            started = time.monotonic()
+            verdicts = judge_all(judge.kind, judge.config, [
+                JudgeInput(prompt=prompt_text(prompts[i]), completion=s.text, reference=judge.reference,
+                           kind=judge.domain_kind) for s in samples[n * sampling.n:(n + 1) * sampling.n]])
+            out.judged.append((verdicts, time.monotonic() - started))
+    if keep is not None:
+        _KEPT[keep] = out
+        while len(_KEPT) > 8:  # one whose step was never sent
+            _KEPT.popitem(last=False)
+    return out
+
+
+def train(run_id: int, base_model_dir: Path, config: Any, base: Serve, step: int,
+          batch: list[tuple[list[Any], list[float | None]]], out_dir: Path, spec_hash: str | None) -> Any:
+    """One train step of the run from version ``base`` (its trainer rebuilt from it if the resident one is
+    elsewhere; ``step`` is the run's step count before this one): each group's advantages computed from its
+    rewards (``losses.sample_advantages``, None for an invalid verdict), the trainer's step on them, and the
+    version it makes saved in ``out_dir``. ``batch``: per group, its samples and rewards. A
+    ``steps.StepResult``."""
+    if _REMOTE is not None:
+        return wait(_REMOTE.submit_train(run_id, base_model_dir, config, base, step, batch, None, out_dir,
+                                             spec_hash))
+    return _train(run_id, base_model_dir, config, base, step, batch, None, out_dir, spec_hash)
+
+
+def train_async(run_id: int, base_model_dir: Path, config: Any, base: Serve, step: int, kept: tuple[str, list[int]],
+                out_dir: Path, spec_hash: str | None) -> Future[Any]:
+    """``train`` queued in the device process without waiting, on the rollout it kept under ``kept[0]`` (its
+    prompts in the order ``kept[1]``, each prompt a group): a step trained ahead. Its result is None, and
+    nothing trained, when that rollout left a prompt out, has a verdict that is invalid or missing, or was
+    not kept."""
+    if _REMOTE is None:
+        raise RuntimeError("queueing device work needs the device process (workers.policy.device_process)")
+    return _REMOTE.submit_train(run_id, base_model_dir, config, base, step, None, kept, out_dir, spec_hash)
+
+
+def _train(run_id: int, base_model_dir: Path, config: Any, base: Serve, step: int,
+           batch: list[tuple[list[Any], list[float | None]]] | None, kept: tuple[str, list[int]] | None,
+           out_dir: Path, spec_hash: str | None) -> Any:
+    from workers.policy.losses import sample_advantages
+    from workers.policy.steps import Group, StepResult
+
+    if batch is None:
+        assert kept is not None
+        token, order = kept
+        out = _KEPT.pop(token, None)
+        if out is None or out.too_long or out.judged is None or len(out.kept) != len(order):
+            return None
+        n = len(out.samples) // max(1, len(out.kept))
+        batch = []
+        for i in order:
+            judged = out.judged[i]
+            if judged is None or not all(v.is_valid for v in judged[0]):
+                return None
+            batch.append((out.samples[i * n:(i + 1) * n], [v.score for v in judged[0]]))
+    advantages = [sample_advantages(list(rewards), config.advantage) for _, rewards in batch]
+    trainer = trainer_for(run_id, base_model_dir, config, base[2], base[1], step)
+    metrics = trainer.train_step([Group(samples=samples, rewards=rewards, advantages=adv)
+                                  for (samples, rewards), adv in zip(batch, advantages, strict=True)])
+    meta = trainer.save_version(out_dir, spec_hash=spec_hash)
+    return StepResult(metrics=metrics, version=meta.version, advantages=advantages)
+
+
+_charges = threading.local()
+
+
+def wait(future: Future[Any]) -> Any:
+    """A queued request's value, waiting for it; its seconds and CPU seconds are charged to the calling
+    thread (``device_time``, what ``live.on_device`` times)."""
+    value, seconds, cpu = future.result()
+    _charges.seconds = getattr(_charges, "seconds", 0.0) + seconds
+    _charges.cpu = getattr(_charges, "cpu", 0.0) + cpu
+    return value
+
+
+def result(future: Future[Any]) -> tuple[Any, float, float]:
+    """A queued request's ``(value, seconds, cpu seconds)``, waiting for it (charged to nobody: the caller
+    accounts for it)."""
+    value, seconds, cpu = future.result()
+    return value, seconds, cpu
+
+
+def device_time() -> tuple[float, float]:
+    """Device seconds and CPU seconds so far, to time a stretch of device work by difference: with a device
+    process, what it reported for this thread's requests (a request waiting behind another's is not
+    counted); else this thread's clock and CPU time."""
+    if _REMOTE is not None:
+        return getattr(_charges, "seconds", 0.0), getattr(_charges, "cpu", 0.0)
+    return time.monotonic(), time.thread_time()
+
+
+def holding_device() -> Any:
+    """A context holding the device for a stretch of work in this process (``DEVICE``); with a device
+    process, none: its queue keeps one request on the device at a time."""
+    return contextlib.nullcontext() if _REMOTE is not None else DEVICE
+
+
+def can_queue() -> bool:
+    """Whether device work can be queued without waiting (``rollout_async``, ``train_async``)."""
+    return _REMOTE is not None
+
+
+def drop_trainer(run_id: int) -> None:
+    """Forget the run's resident trainer; the next step rebuilds it from the run's newest saved version (a
+    step trained ahead and not recorded left it a step ahead of the run)."""
+    if _REMOTE is not None:
+        _REMOTE.drop_trainer(run_id)
+    else:
+        _TRAINERS.pop(run_id, None)
+
+
 def snapshot() -> dict[str, Any]:
     """What is resident now (for the heartbeat and for tests)."""
+    if _REMOTE is not None:
+        return _REMOTE.snapshot()
     return {
         "engines": [{"engine": k[0], "base_model": k[1], "serves": list(r.serves), "mb": round(r.bytes / 2**20, 1)}
                     for k, r in _ENGINES.items()],

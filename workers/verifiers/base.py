@@ -236,6 +236,20 @@ KINDS: dict[str, str] = {
 }
 
 
+def judge_all(kind: str | None, config: Mapping[str, Any] | None, inputs: Sequence[JudgeInput]) -> list[Verdict]:
+    """The verdicts of one group's samples by a verifier of ``kind`` (None: the domain has none), every
+    failure an invalid verdict with the reason, never a score of 0 — a configuration that does not build
+    included."""
+    if kind is None:
+        return [invalid("the domain has no verifier")] * len(inputs)
+    started = time.perf_counter()
+    try:
+        return get_verifier(kind, config).judge_group(inputs)
+    except Exception as exc:
+        latency = (time.perf_counter() - started) * 1000 / max(1, len(inputs))
+        return [invalid(f"verifier crashed: {type(exc).__name__}: {exc}").with_latency(latency)] * len(inputs)
+
+
 def verifier_class(kind: str) -> type[BaseVerifier[Any]]:
     if kind not in KINDS:
         raise VerifierConfigError(kind, [f"kind: unknown verifier kind {kind!r}; known: {', '.join(KINDS)}"])

@@ -12,16 +12,18 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field, replace
+from functools import partial
+from pathlib import Path
 from typing import Any
 
 from django.db import transaction
 from django.utils import timezone
 
 from webapp.common.bulk import insert_ignoring_conflicts
-from webapp.runs.loop import live, paths
+from webapp.runs.loop import live, paths, tick, training
 from webapp.runs.loop.admission import UNFIT
 from webapp.runs.loop.tick import wake_deferred
-from webapp.runs.loop.verification import judge_group, judged_inline, next_step, outcome, verdict_fields
+from webapp.runs.loop.verification import judged_inline, next_step, outcome, verdict_fields
 from webapp.runs.models import TERMINAL_STATUSES, PromptGroup, Run, Trajectory
 from workers import messages
 from workers.pipeline.spec import RunSpec
@@ -131,7 +133,7 @@ def load_engine(run: Run, spec: RunSpec) -> Any:
     is a one-off of the worker, and would otherwise count against a run's fair share."""
     from workers.policy import resident
 
-    with resident.DEVICE:
+    with resident.holding_device():
         return resident.engine_for(run.engine, paths.resolve_model_path(run.base_model), seed=spec.seed,
                                    chat_template=run.base_model.chat_template)
 
@@ -153,72 +155,98 @@ def generate(run_id: int, group_ids: list[int], holder: str) -> int:
     claimed_at = timezone.now()
     spec = RunSpec.model_validate(run.spec)
     group_size = spec.pipeline.group_size
-    resident.after_training(run_id)
     single = [g for g in groups if not g.domain or g.domain.environment == "single_turn"]
     episodic = [g for g in groups if g.domain and g.domain.environment != "single_turn"]
     engine = load_engine(run, spec)
     rows: list[SampleRow] = []
+    judged: dict[int, tuple[list[Any], float]] = {}
     device_s = 0.0
-    if single:
-        prompts = [g.domain.render_messages(g.task.prompt, g.task.reference, g.task.metadata) if g.task and g.domain
-                   else "" for g in single]
-        contexts, refused = fit_prompts(engine, prompts, spec.sampling.max_tokens)
-        for i, reason in refused.items():
-            PromptGroup.objects.filter(pk=single[i].pk, status=G.GENERATING).update(
-                status=G.DROPPED, drop_reason=reason, holder="", updated_at=timezone.now())
-        kept = [i for i in range(len(single)) if i not in refused]
-        if kept:
+    ahead: training.Ahead | None = None
+    eligible = False
+    try:
+        if single:
+            prompts = [g.domain.render_messages(g.task.prompt, g.task.reference, g.task.metadata)
+                       if g.task and g.domain else "" for g in single]
+            judges = [inline_judge(g) for g in single]
+            trained = resident.after_training(run_id)
+            ahead = training.plan_ahead(run, spec, single, trained)
             with live.on_device(run_id) as timer:  # switching to the newest version is device work too
-                serve_newest(engine, run)
-                samples = engine.generate_ids([contexts[i] for i in kept], sampling(spec, group_size))
+                if ahead is not None:  # its train step queued right behind it
+                    future = resident.rollout_async(engine, prompts, sampling(spec, group_size), serve=ahead.base,
+                                                    judges=judges, keep=ahead.token)
+                    training.queue_ahead(run, spec, ahead)
+                    out = resident.wait(future)
+                else:
+                    out = resident.rollout(engine, prompts, sampling(spec, group_size), serve=newest(run, trained),
+                                           judges=judges)
             device_s += timer.seconds
-            rows += [SampleRow(group_id=single[kept[n // group_size]].pk, index=n % group_size,
-                               prompt=prompt_text(prompts[kept[n // group_size]]), completion=s.text,
+            for i, tokens in out.too_long.items():
+                PromptGroup.objects.filter(pk=single[i].pk, status=G.GENERATING).update(
+                    status=G.DROPPED, drop_reason=refusal(tokens, out.context, spec.sampling.max_tokens), holder="",
+                    updated_at=timezone.now())
+            rows += [SampleRow(group_id=single[out.kept[n // group_size]].pk, index=n % group_size,
+                               prompt=prompt_text(prompts[out.kept[n // group_size]]), completion=s.text,
                                prompt_token_ids=s.prompt_token_ids, completion_token_ids=s.completion_token_ids,
                                logprobs=s.logprobs, finish_reason=s.finish_reason, version=s.version)
-                     for n, s in enumerate(samples)]
-        groups = [g for i, g in enumerate(single) if i not in refused] + episodic
-    if episodic:
-        episode_rows, seconds = run_group_episodes(run, spec, engine, episodic)
-        rows += episode_rows
-        device_s += seconds
-    if not groups:  # every prompt refused
-        messages.advance_run(run_id)
-        return 0
-    waits = [(claimed_at - g.created_at).total_seconds() for g in groups]
-    judged = judge_inline([g for g in groups if judged_inline(g)], rows)
-    finished = write_samples(run_id, {g.pk: g for g in groups}, rows, generate_s=device_s,
-                             wait_s=sum(waits) / len(waits), judged=judged,
-                             max_retries=spec.pipeline.invalid_retries)
+                     for n, s in enumerate(out.samples)]
+            judged = {single[i].pk: j for i, j in zip(out.kept, out.judged or [], strict=False) if j is not None}
+            eligible = ahead is not None and not out.too_long and len(judged) == len(single) and all(
+                v.is_valid for verdicts, _ in judged.values() for v in verdicts)
+            groups = [single[i] for i in out.kept] + episodic
+        if episodic:
+            episode_rows, seconds = run_group_episodes(run, spec, engine, episodic)
+            rows += episode_rows
+            device_s += seconds
+        if not groups:  # every prompt refused
+            messages.advance_run(run_id)
+            if ahead is not None:
+                training.give_up(run_id, ahead)
+            return 0
+        waits = [(claimed_at - g.created_at).total_seconds() for g in groups]
+        # Samples of a version trained ahead (``trained``) are written once that version is recorded.
+        resident.recorded(run_id)
+        write = partial(write_samples, run_id, {g.pk: g for g in groups}, rows, generate_s=device_s,
+                        wait_s=sum(waits) / len(waits), judged=judged, max_retries=spec.pipeline.invalid_retries)
+        if ahead is None:
+            finished = write()
+        else:
+            ahead.enter()  # the run's next rollout waits for this step
+            # The rows and the scheduler's decision commit together: a tick taken between them elsewhere (the
+            # beat's) would claim the step and send it to the train queue, where it would be trained anew.
+            with transaction.atomic():
+                Run.objects.select_for_update().filter(pk=run_id).first()
+                finished = write()
+                claimed = tick.advance_holding_train(run_id, holder)
+    except BaseException:
+        if ahead is not None:
+            with contextlib.suppress(Exception):
+                training.give_up(run_id, ahead)
+            ahead.leave.close()
+        raise
     # One message hands the rest of the batch to the verify queue, which fans it out: the GPU worker goes
     # back to the device at once, and every group is judged as soon as a verify worker is free.
     rest = [g for g in groups if g.pk not in judged]
     if rest:
         messages.verify_batch(run_id, [g.pk for g in rest], [g.attempt for g in rest])
-    if not next_step(run_id, spec, finished):
+    if ahead is not None:
+        training.conclude_ahead(run_id, ahead, claimed, eligible, holder)
+    elif not next_step(run_id, spec, finished):
         messages.advance_run(run_id)
     wake_deferred(except_run=run_id)
     return len(rows)
 
 
-def judge_inline(groups: list[PromptGroup], rows: list[SampleRow]) -> dict[int, tuple[list[Any], float]]:
-    """The verdicts of these groups' samples (``verification.INLINE_KINDS``), judged here, each group
-    together: per group, its samples' verdicts in index order and the seconds they took."""
-    by_group: dict[int, list[SampleRow]] = {g.pk: [] for g in groups}
-    for r in rows:
-        if r.group_id in by_group:
-            by_group[r.group_id].append(r)
-    out: dict[int, tuple[list[Any], float]] = {}
-    for g in groups:
-        samples = sorted(by_group[g.pk], key=lambda r: r.index)
-        if not samples or [r.index for r in samples] != list(range(len(samples))):
-            continue  # not a whole group: the verify queue judges what was written
-        started = time.monotonic()
-        assert g.domain is not None
-        verdicts = judge_group(g.domain.verifier, [(r.prompt, r.completion) for r in samples],
-                               g.task.reference if g.task else {}, g.domain.kind)
-        out[g.pk] = (verdicts, time.monotonic() - started)
-    return out
+def inline_judge(group: PromptGroup) -> Any:
+    """How the device judges the group's samples as it generates them (``verification.INLINE_KINDS``), or
+    None when the verify queue judges them."""
+    from workers.policy.resident import Judge
+
+    if not judged_inline(group):
+        return None
+    assert group.domain is not None and group.domain.verifier is not None
+    verifier = group.domain.verifier
+    return Judge(kind=verifier.kind, config=dict(verifier.config or {}),
+                 reference=group.task.reference if group.task else {}, domain_kind=group.domain.kind)
 
 
 def context_tokens(engine: Any) -> int:
@@ -226,28 +254,24 @@ def context_tokens(engine: Any) -> int:
     return int(getattr(engine, "max_context", 0) or 0)
 
 
-def fit_prompts(engine: Any, prompts: list[Any], max_tokens: int) -> tuple[list[list[int]], dict[int, str]]:
-    """Each prompt's ids, and the prompts refused with the reason: those that leave no room in the model's
-    context for ``max_tokens`` more. Sampling past the context is undefined for the model, and one long
-    prompt pads a whole batch to its length (a reasoning-gym pack on the demo model's 64 positions grew the
-    GPU worker to 21 GB)."""
-    from workers.policy.engines import encode_prompts
-
-    contexts = encode_prompts(engine.tokenizer, prompts)
-    limit = context_tokens(engine)
-    refused = {i: (f"{UNFIT} {len(ids)} tokens: the model's context of {limit} leaves no room for "
-                   f"{max_tokens} more (sampling.max_tokens)")
-               for i, ids in enumerate(contexts) if limit and len(ids) + max_tokens > limit}
-    return contexts, refused
+def refusal(tokens: int, context: int, max_tokens: int) -> str:
+    """Why a prompt of ``tokens`` tokens is not sampled: it leaves no room in the model's context for
+    ``max_tokens`` more. Sampling past the context is undefined for the model, and one long prompt pads a
+    whole batch to its length (a reasoning-gym pack on the demo model's 64 positions grew the GPU worker to
+    21 GB)."""
+    return (f"{UNFIT} {tokens} tokens: the model's context of {context} leaves no room for {max_tokens} more "
+            "(sampling.max_tokens)")
 
 
-def serve_newest(engine: Any, run: Run) -> None:
-    """Point the engine at the run's newest version, read now that the caller holds the device (a train step
-    may just have finished)."""
-    from workers.policy import resident
-
+def newest(run: Run, trained: Any = None) -> tuple[int, int, Path | None]:
+    """The run's newest version, read now that the caller is about to sample (a train step may just have
+    finished), or ``trained``'s: a step trained ahead, confirmed and not yet recorded
+    (``resident.after_training``), whose version the device process saves before it samples."""
+    if trained is not None:
+        number, version_dir = trained.version
+        return run.pk, number, version_dir
     latest = Run.objects.filter(pk=run.pk).values_list("latest_version", flat=True).get()
-    resident.serve(engine, run.pk, latest, paths.version_dir(run.pk, latest))
+    return run.pk, latest, paths.version_dir(run.pk, latest)
 
 
 def run_group_episodes(run: Run, spec: RunSpec, engine: Any, groups: list[PromptGroup]) -> tuple[list[SampleRow], float]:
@@ -363,7 +387,7 @@ def play_episodes(run: Run, spec: RunSpec, engine: Any, items: list[tuple[Any, A
     def generate(contexts: list[list[int]], max_tokens: int, stop: tuple[str, ...]) -> Any:
         with live.on_device(run.pk) as timer:
             if version is None:
-                serve_newest(engine, run)
+                resident.serve(engine, *newest(run))
             else:
                 resident.serve(engine, run.pk, version, paths.version_dir(run.pk, version))
             out = io.generate(contexts, max_tokens, (*stop, *spec.sampling.stop))

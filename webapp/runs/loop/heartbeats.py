@@ -62,7 +62,8 @@ class Heartbeat(threading.Thread):
         from workers.policy.device import DeviceUnavailable
 
         try:
-            return str(resident.placement().describe())
+            where = resident.placement(wait=False)  # None while its device process starts
+            return str(where.describe()) if where is not None else ""
         except DeviceUnavailable as exc:
             return f"unavailable: {exc}"[:200]
 

@@ -30,9 +30,9 @@ from webapp.runs.loop import live, paths
 from webapp.runs.loop.generation import (
     counts,
     episode_record,
-    fit_prompts,
     load_engine,
     play_episodes,
+    refusal,
     sampling,
 )
 from webapp.runs.loop.verification import judge, record_verdicts, score_episode
@@ -151,11 +151,11 @@ def sample(run_id: int, version: int, offset: int = 0, samples: int | None = Non
     tasks = [t for _, t in single_chunk]
     prompts = [d.render_messages(t.prompt, t.reference, t.metadata) for d, t in single_chunk]
     engine = load_engine(run, spec)
-    contexts, refused = fit_prompts(engine, prompts, spec.sampling.max_tokens)
-    kept = [i for i in range(len(tasks)) if i not in refused]
     with live.on_device(run_id):  # the chunk's single-turn prompts in one batch
-        resident.serve(engine, run_id, version, paths.version_dir(run.pk, version))
-        outputs = engine.generate_ids([contexts[i] for i in kept], sampling(spec, k, greedy=k == 1)) if kept else []
+        out = resident.rollout(engine, prompts, sampling(spec, k, greedy=k == 1),
+                               serve=(run_id, version, paths.version_dir(run.pk, version)))
+    kept, outputs = out.kept, out.samples
+    refused = {i: refusal(n, out.context, spec.sampling.max_tokens) for i, n in out.too_long.items()}
     rows = [
         Trajectory(run=run, task=tasks[kept[n // k]], domain_id=tasks[kept[n // k]].domain_id,
                    group_key=messages.eval_key(version, k, tasks[kept[n // k]].pk), sample_index=n % k,

@@ -134,34 +134,46 @@ def _redis() -> Any:
 @contextmanager
 def busy(run_id: int | None) -> Iterator[Timer]:
     """Time a stretch of device work for this worker process and for the run."""
-    global _busy_total
+    from workers.policy import resident
+
     timer = Timer()
-    started, cpu = time.monotonic(), time.thread_time()
+    started, cpu = resident.device_time()
     try:
         yield timer
     finally:
-        timer.seconds = time.monotonic() - started
-        profiling.add("device", timer.seconds)
-        profiling.add("device_cpu", time.thread_time() - cpu)  # less than the wall: the thread was waiting
-        with _busy_lock:
-            _busy_total += timer.seconds
-        if run_id is not None:
-            try:
-                with profiling.timed("redis"), _redis().pipeline(transaction=False) as pipe:  # one round trip
-                    pipe.incrbyfloat(f"temper:run:{run_id}:busy", timer.seconds)
-                    pipe.eval(_DECAYED_ADD, 1, _usage_key(run_id), time.time(), timer.seconds, USAGE_TAU_S)
-                    pipe.execute()
-            except Exception:  # telemetry must never fail the work
-                pass
+        ended, cpu_ended = resident.device_time()
+        timer.seconds = ended - started
+        account_busy(run_id, timer.seconds, cpu_ended - cpu)
+
+
+def account_busy(run_id: int | None, seconds: float, cpu: float) -> None:
+    """Count ``seconds`` of device work (``cpu`` of them on a CPU: less than the wall when the device
+    waited) for this worker process and the run: ``busy``'s accounting, for a stretch timed elsewhere (a
+    step trained ahead, timed by the device process)."""
+    global _busy_total
+    profiling.add("device", seconds)
+    profiling.add("device_cpu", cpu)
+    with _busy_lock:
+        _busy_total += seconds
+    if run_id is not None:
+        try:
+            with profiling.timed("redis"), _redis().pipeline(transaction=False) as pipe:  # one round trip
+                pipe.incrbyfloat(f"temper:run:{run_id}:busy", seconds)
+                pipe.eval(_DECAYED_ADD, 1, _usage_key(run_id), time.time(), seconds, USAGE_TAU_S)
+                pipe.execute()
+        except Exception:  # telemetry must never fail the work
+            pass
 
 
 @contextmanager
 def on_device(run_id: int | None) -> Iterator[Timer]:
     """Hold the device for a stretch of work (generating, training, switching or saving weights); the time
-    it is held counts as GPU-busy for this worker and the run. Engines and trainers are only used inside."""
+    it is held counts as GPU-busy for this worker and the run. Engines and trainers are only used inside.
+    With a device process, its queue holds the device, and the time is what it reports for the stretch's
+    requests (``resident.device_time``)."""
     from workers.policy import resident
 
-    with resident.DEVICE, busy(run_id) as timer:
+    with resident.holding_device(), busy(run_id) as timer:
         yield timer
 
 

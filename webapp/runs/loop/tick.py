@@ -96,8 +96,10 @@ def snapshot(run: Run, spec: RunSpec, *, recovering: bool = False, broker_reset:
                        share=_share(run, spec) if run.status == RunStatus.RUNNING else Share(share=spec.share))
 
 
-def _apply(run: Run, spec: RunSpec, tick: Tick) -> None:
-    """Write the tick's decisions (under the run's lock) and queue its messages for after commit."""
+def _apply(run: Run, spec: RunSpec, tick: Tick, train_here: str = "") -> None:
+    """Write the tick's decisions (under the run's lock) and queue its messages for after commit. A train
+    step claimed with ``train_here`` (a holder) is held by that worker's calling task, which trains it: no
+    message is sent for it."""
     now = timezone.now()
     if tick.revoke:  # the queued ids are read before the groups are dropped
         transaction.on_commit(partial(messages.revoke, queued_ids(run)))
@@ -133,7 +135,10 @@ def _apply(run: Run, spec: RunSpec, tick: Tick) -> None:
         run.state["train_claim"] = tick.claim_train
         run.state["train_claim_at"] = time.time()
         state_changed = True
-        transaction.on_commit(partial(messages.train_step, run.pk, tick.claim_train))
+        if train_here:  # recovery re-sends it if this holder is gone, as for a claim a train task took
+            run.state.update(train_holder=train_here, train_held_at=time.time())
+        else:
+            transaction.on_commit(partial(messages.train_step, run.pk, tick.claim_train))
     if tick.deferred != bool(run.state.get("deferred_since")):
         if tick.deferred:
             run.state["deferred_since"] = time.time()
@@ -151,11 +156,24 @@ def _apply(run: Run, spec: RunSpec, tick: Tick) -> None:
 def advance(run_id: int, *, recovering: bool = False, broker_reset: bool = False,
             liveness: WorkerLiveness | None = None) -> str:
     """Take the next step of a run's loop. Idempotent: re-reads the run under its row lock and acts on it."""
+    return _advance(run_id, recovering=recovering, broker_reset=broker_reset, liveness=liveness)[0]
+
+
+def advance_holding_train(run_id: int, holder: str) -> int | None:
+    """``advance``, where a train step the tick claims is held by ``holder`` (this worker) for the calling
+    task to train, not sent to the train queue: the step's number, or None when none was claimed. (A step
+    trained ahead of its claim, ``training.conclude_ahead``.)"""
+    return _advance(run_id, train_here=holder)[1]
+
+
+def _advance(run_id: int, *, recovering: bool = False, broker_reset: bool = False,
+             liveness: WorkerLiveness | None = None, train_here: str = "") -> tuple[str, int | None]:
+    claimed = None
     try:
         with transaction.atomic():
             run = Run.objects.select_for_update().filter(pk=run_id).first()
             if run is None:
-                return "gone"
+                return "gone", None
             if run.status == RunStatus.QUEUED:
                 first_start = run.started_at is None
                 run = services.do_mark_running(run)
@@ -163,14 +181,16 @@ def advance(run_id: int, *, recovering: bool = False, broker_reset: bool = False
                     live.forget_usage(run_id)
                     transaction.on_commit(partial(messages.evaluate, run_id, 0))
             if run.status == RunStatus.PAUSED:
-                return str(run.status)
+                return str(run.status), None
             spec = RunSpec.model_validate(run.spec)
             tick = decide(snapshot(run, spec, recovering=recovering, broker_reset=broker_reset, liveness=liveness),
                           limits_for(spec))
-            _apply(run, spec, tick)
+            _apply(run, spec, tick, train_here)
+            claimed = tick.claim_train if not (tick.complete or tick.mark_paused) else None
     except InvalidTransition as exc:  # another delivery or a person moved it first
         log.info("advance(%s): %s", run_id, exc)
-    return str(Run.objects.filter(pk=run_id).values_list("status", flat=True).first())
+        claimed = None
+    return str(Run.objects.filter(pk=run_id).values_list("status", flat=True).first()), claimed
 
 
 def recover_all() -> list[int]:

