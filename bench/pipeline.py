@@ -50,8 +50,11 @@ no held-out reward (the demo model cannot use a tool: it is a throughput bench).
 wait on the tool, and async admits that many rollouts at once (with two: 1.92x here).
 ``pass=true`` when async reaches >= 2x the sync mode's trajectories/s.
 
-``BENCH_NICE=gpu=0,verify=5`` lowers the verify worker's CPU priority (``nice`` and its session's autogroup)
-below the GPU worker's; measured once: device ms/trajectory async/sync 1.75 -> 1.44, GPU-busy 0.964 -> 0.901.
+The processes are arranged as ``manage.py up`` arranges them: where the device is the CPU, the GPU worker's
+device process has a CPU of its own (``resident.device_cpus``), which every other process, this one (the
+judge) included, stays off but the verify worker, which runs at nice 10 (below the device) and may take what
+the device leaves. ``BENCH_NICE=gpu=0,verify=10`` (the default) sets the nice values (and each session's
+autogroup: each process leads its own session here).
 
 The database matters to the GPU-busy fraction: between two device stretches the GPU worker records a step
 and claims the next batch, transactions that on SQLite queue behind the verify workers' writes on its one
@@ -255,7 +258,8 @@ class Processes:
 
 def device_cpus() -> frozenset[int] | None:
     """The CPUs the GPU worker's device process keeps for itself, as ``manage.py up`` arranges it: every
-    other process, this one (the judge) included, runs on the rest."""
+    other process, this one (the judge) included, runs on the rest, but the verify worker (at nice 10, below
+    the device), which may also take what the device leaves of its CPUs."""
     from workers.policy import resident
 
     cpus = resident.device_cpus()
@@ -279,10 +283,10 @@ def start_cluster(procs: Processes, args: argparse.Namespace, device: frozenset[
     pool = ["--pool", "solo"] if args.gpu_tasks == 1 else ["--pool", "threads", "--concurrency", str(args.gpu_tasks)]
     # with --episodes the GPU worker logs each task's end (two lines a task): rollout_walls reads them
     gpu_level = ["-l", "INFO"] if args.episodes and args.worker_log_level == "WARNING" else []
-    nice = {k: int(v) for k, v in (x.split("=") for x in os.environ.get("BENCH_NICE", "gpu=0,verify=0").split(","))}
+    nice = {k: int(v) for k, v in (x.split("=") for x in os.environ.get("BENCH_NICE", "gpu=0,verify=10").split(","))}
     procs.spawn("gpu", [*celery, *gpu_level, "-Q", "rollout,train", "-n", "bench-gpu@%h", *pool], env, nice["gpu"])
     procs.spawn("verify", [*celery, "-Q", "verify", "-n", "bench-verify@%h",
-                           "--concurrency", str(args.verify_concurrency)], env, nice["verify"], cpus=rest)
+                           "--concurrency", str(args.verify_concurrency)], env, nice["verify"])
     from workers.tasks.health import ping
 
     for queue in ("control", "rollout", "train", "verify"):

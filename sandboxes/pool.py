@@ -88,6 +88,22 @@ def launch_for(runtime: str, progress: Any = None) -> tuple[Launch, BuildFacts]:
     return Launch(image.python, definition.preload, image=image), BuildFacts(built, time.monotonic() - started)
 
 
+SANDBOX_NICE = 10
+"""Sandboxed code runs at this nice at least, below Temper's own processes."""
+
+
+def _below_temper(pid: int) -> None:
+    """Put a new zygote (and so every sandbox it forks) below Temper's own processes — nice 10 at least — and
+    let it run on any CPU of the machine. *Why:* a zygote inherits its owner's scheduling: the sandbox workers
+    already run at nice 10 on every CPU, but the GPU worker, whose multi-turn episodes open sessions, runs at
+    nice 0 and is kept off its device process's CPU (``manage.py up``), where its sessions crowded the
+    worker's own bookkeeping on the other core (``bench/pipeline.py --episodes``)."""
+    with contextlib.suppress(OSError):
+        os.setpriority(os.PRIO_PROCESS, pid, max(SANDBOX_NICE, os.getpriority(os.PRIO_PROCESS, pid)))
+    with contextlib.suppress(OSError):
+        os.sched_setaffinity(pid, range(os.cpu_count() or 1))
+
+
 class _Zygote:
     """The owner's handle on one zygote process and the standbys it hands out."""
 
@@ -110,6 +126,7 @@ class _Zygote:
             )
         finally:
             child_sock.close()
+        _below_temper(self.process.pid)
         self.sock = parent_sock
         self.owner_pid = os.getpid()
         self.pending: deque[Standby] = deque()

@@ -117,8 +117,6 @@ def _start_device(options: dict[str, object] | None = None, **_: object) -> None
         return
     if os.environ.get("TEMPER_DEVICE_PROCESS", "1") == "0":
         resident.warm_up()
-        # `manage.py up` leaves the nice of the device work to whoever does it (``TEMPER_NICE``): here, us
-        resident.lower_priority(int(os.environ.get("TEMPER_NICE") or 0))
     else:
         device_process.start()  # (``workers.gpu_worker`` started it already)
         resident.keep_off_device_cpus()  # the device process has them (its affinity is its own from now on)

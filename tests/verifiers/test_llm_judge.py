@@ -248,3 +248,42 @@ def test_calibration_refuses_a_gullible_judge() -> None:
     report = calibrate(v, calibration_set(), repeats=2)
     assert not report.passed
     assert any("hack case(s) passed: master_key" in f for f in report.failures)
+
+
+def test_a_keep_alive_judge_is_asked_over_one_connection_per_thread_even_after_it_closes_one():
+    """An HTTP/1.1 server keeps the connection open: each of this thread's requests reuses it. When the server
+    has closed it meanwhile (its idle timeout), the next request reconnects once, and is answered."""
+    connections: list[int] = []
+
+    class KeepAlive(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def setup(self) -> None:
+            super().setup()
+            connections.append(id(self.connection))
+
+        def do_POST(self) -> None:
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            out = json.dumps({"choices": [{"message": {"content": careful_judge(body["messages"][0]["content"])}}]})
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(out.encode())))
+            self.end_headers()
+            self.wfile.write(out.encode())
+            if body["messages"][0]["content"].count("Madrid"):  # the server closes this one after replying
+                self.close_connection = True
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), KeepAlive)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        verifier = build_verifier("llm_judge", cfg(f"http://127.0.0.1:{httpd.server_address[1]}/v1"))
+        answers = [("France", "Paris"), ("Japan", "Tokyo"), ("Spain", "Madrid"), ("Italy", "Rome")]
+        verdicts = [verifier.judge(JudgeInput(prompt=f"Capital of {c}?", completion=f"It is {a}.", reference=a))
+                    for c, a in answers]
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert [v.status for v in verdicts] == ["pass"] * 4, [v.reason for v in verdicts]
+    assert len(connections) == 2  # three requests on the first, the fourth on a new one

@@ -172,7 +172,6 @@ def main(argv: Sequence[str]) -> int:
     conn = Connection(int(argv[0]))
     threading.Thread(target=_watch_parent, args=(int(argv[1]),), name="temper-watch-parent", daemon=True).start()
     resident.warm_up().join()  # before the first request, which needs them anyway
-    resident.lower_priority(int(os.environ.get("TEMPER_NICE") or 0))
     serve_forever(conn)
     return 0
 

@@ -215,21 +215,6 @@ def warm_up() -> threading.Thread:
     return thread
 
 
-def lower_priority(nice: int) -> None:
-    """Lower every thread of this process to ``nice`` at least (``TEMPER_NICE``: ``manage.py up`` asks it of
-    the GPU worker and its device process once they have started). Linux keeps a nice value per thread, and
-    a new thread inherits its creator's: each thread that exists now is set."""
-    if nice <= 0:
-        return
-    done: set[int] = set()
-    for _ in range(3):  # again for a thread started meanwhile by one not yet set
-        threads = _threads() - done
-        for tid in threads:
-            with contextlib.suppress(OSError):  # a thread that has ended since
-                os.setpriority(os.PRIO_PROCESS, tid, max(nice, os.getpriority(os.PRIO_PROCESS, tid)))
-        done |= threads
-
-
 def device_cpus() -> frozenset[int] | None:
     """The CPUs a device process keeps for itself (``TEMPER_DEVICE_CPUS``): ``auto``, the default, is the last
     ``TEMPER_TORCH_THREADS`` of the CPUs this process may use, when it may use more and the device is the
@@ -257,9 +242,8 @@ def pin_device_cpus() -> frozenset[int] | None:
     came and went, the demo model's requests ran ~25 % slower in CPU time than in a process alone (a rollout
     70 ms, a step with its save 187 ms, against 54 and 147); pinned, 50-53 and 151-153 ms, and
     ``bench/demo.py``'s full system went from 3.4-3.6 to 4.2 steps a second. ``manage.py up`` also keeps
-    every other process off those CPUs (``keep_off_device_cpus``): on this 2-core machine the verify worker,
-    a judge and the control worker otherwise preempted the device (``bench/pipeline.py``: its wall time per
-    trajectory 1.2-1.3x its CPU time in async mode)."""
+    every other process but the sandbox workers (at nice 10, below the device) off those CPUs: the web
+    server, the control worker and the GPU worker's own bookkeeping otherwise preempted the device."""
     cpus = device_cpus()
     if cpus:
         os.sched_setaffinity(0, cpus)

