@@ -291,6 +291,8 @@ def verify_groups(group_ids: list[int], holder: str) -> list[str]:
     while waiting:
         wait([f for gid in waiting for f in remote[gid] if not f.done()], return_when=FIRST_COMPLETED)
         done = [gid for gid in waiting if all(f.done() for f in remote[gid])]
+        if not done:  # a sample came back, not yet a whole group: nothing to write (it was a transaction each)
+            continue
         seconds = time.monotonic() - started
         conclude(run, spec, [(waiting[gid], list(zip(pending[waiting[gid].key], (f.result() for f in remote[gid]),
                                                       strict=True)), seconds) for gid in done], now, out)
