@@ -64,3 +64,14 @@ def test_the_import_layers_hold_and_webapp_never_imports_the_tasks():
     out = subprocess.run([str(Path(sys.executable).with_name("lint-imports")), "--no-cache"], cwd=ROOT,
                          capture_output=True, text=True)
     assert out.returncode == 0 and "1 kept, 0 broken" in out.stdout, out.stdout[-3000:]
+
+
+def test_a_gpu_worker_imports_neither_torch_nor_transformers_for_its_loop():
+    """The GPU worker's tasks and the loop's modules: its device process does the device work
+    (``workers.policy.device_process``), so the worker itself needs neither (an episode's tokenizer is
+    loaded on first use)."""
+    code = ("import os; os.environ.setdefault('DJANGO_SETTINGS_MODULE', 'webapp.settings'); import django; "
+            "django.setup(); import workers.celery, workers.gpu_worker, workers.tasks.rollout, workers.tasks.train; "
+            "import webapp.runs.loop.generation, webapp.runs.loop.training, webapp.runs.loop.heldout")
+    loaded = roots(modules_after(code))
+    assert "torch" not in loaded and "transformers" not in loaded and "vllm" not in loaded

@@ -27,6 +27,7 @@ from webapp.runs.loop.verification import judged_inline, next_step, outcome, ver
 from webapp.runs.models import TERMINAL_STATUSES, PromptGroup, Run, Trajectory
 from workers import messages
 from workers.pipeline.spec import RunSpec
+from workers.policy import resident
 from workers.policy.chat import prompt_text, task_messages
 
 G = PromptGroup.Status
@@ -131,8 +132,6 @@ def counts(turns: Any) -> dict[str, int]:
 def load_engine(run: Run, spec: RunSpec) -> Any:
     """The run's resident engine, loaded on the device on first use. The load is charged to no run: it
     is a one-off of the worker, and would otherwise count against a run's fair share."""
-    from workers.policy import resident
-
     with resident.holding_device():
         return resident.engine_for(run.engine, paths.resolve_model_path(run.base_model), seed=spec.seed,
                                    chat_template=run.base_model.chat_template)
@@ -140,8 +139,6 @@ def load_engine(run: Run, spec: RunSpec) -> Any:
 
 def generate(run_id: int, group_ids: list[int], holder: str) -> int:
     """Sample G completions for each claimed group, write them, and hand the batch to verification."""
-    from workers.policy import resident
-
     run = Run.objects.select_related("base_model").filter(pk=run_id).first()
     if run is None:
         return 0
@@ -239,13 +236,11 @@ def generate(run_id: int, group_ids: list[int], holder: str) -> int:
 def inline_judge(group: PromptGroup) -> Any:
     """How the device judges the group's samples as it generates them (``verification.INLINE_KINDS``), or
     None when the verify queue judges them."""
-    from workers.policy.resident import Judge
-
     if not judged_inline(group):
         return None
     assert group.domain is not None and group.domain.verifier is not None
     verifier = group.domain.verifier
-    return Judge(kind=verifier.kind, config=dict(verifier.config or {}),
+    return resident.Judge(kind=verifier.kind, config=dict(verifier.config or {}),
                  reference=group.task.reference if group.task else {}, domain_kind=group.domain.kind)
 
 
@@ -377,7 +372,6 @@ def play_episodes(run: Run, spec: RunSpec, engine: Any, items: list[tuple[Any, A
     from sandboxes.session import default_pool as session_pool
     from workers.environments.base import EnvTask, make_environment
     from workers.environments.episodes import Episode, EpisodeLimits, engine_io, run_episodes
-    from workers.policy import resident
     from workers.verifiers.base import invalid
 
     e = spec.episode

@@ -40,6 +40,7 @@ from webapp.runs.metrics import Point
 from webapp.runs.models import Evaluation, PolicyVersion, Run, RunStatus, Trajectory, VerdictChoice
 from workers import messages
 from workers.pipeline.spec import RunSpec
+from workers.policy import resident
 from workers.policy.chat import prompt_text
 
 EVAL_ONE_BATCH_SEQUENCES = 1024
@@ -118,8 +119,6 @@ def sample(run_id: int, version: int, offset: int = 0, samples: int | None = Non
     later ones are sent it. ``chain`` names the evaluation (the first message's task id, which a
     redelivery keeps)."""
     import uuid
-
-    from workers.policy import resident
 
     run = Run.objects.select_related("base_model").filter(pk=run_id).first()
     if run is None or run.status in (RunStatus.CANCELLED, RunStatus.FAILED):

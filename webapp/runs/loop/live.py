@@ -30,6 +30,7 @@ from django.conf import settings
 
 from webapp.runs.metrics import Point, record_points
 from workers import profiling
+from workers.policy import resident
 
 log = logging.getLogger(__name__)
 
@@ -134,8 +135,6 @@ def _redis() -> Any:
 @contextmanager
 def busy(run_id: int | None) -> Iterator[Timer]:
     """Time a stretch of device work for this worker process and for the run."""
-    from workers.policy import resident
-
     timer = Timer()
     started, cpu = resident.device_time()
     try:
@@ -171,8 +170,6 @@ def on_device(run_id: int | None) -> Iterator[Timer]:
     it is held counts as GPU-busy for this worker and the run. Engines and trainers are only used inside.
     With a device process, its queue holds the device, and the time is what it reports for the stretch's
     requests (``resident.device_time``)."""
-    from workers.policy import resident
-
     with resident.holding_device(), busy(run_id) as timer:
         yield timer
 

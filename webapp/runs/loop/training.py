@@ -1,12 +1,16 @@
 """Training (the GPU worker): claim B ready groups, assemble the batch, train one GRPO step, save version
 v+1 and record it — and the trainer's facts about every sample — in one transaction.
 
-Advantages are computed here, where the batch is assembled (``losses.sample_advantages`` with the run's
-estimator), written to ``Trajectory.advantage`` and handed to the trainer, which stays blind to the
-estimator; after the step each trained sample's ``clipped`` says whether any of its tokens hit the PPO
-clip. The step's next scheduling decision is taken in-process (``tick.advance``), so the next messages are
-queued before the device is free; metrics, health and evaluation are ``report_step``'s, on the control
-queue.
+Advantages are computed where the batch is assembled (``resident.train``: ``losses.sample_advantages`` with
+the run's estimator, on the device's side), written to ``Trajectory.advantage`` and handed to the trainer,
+which stays blind to the estimator; after the step each trained sample's ``clipped`` says whether any of its
+tokens hit the PPO clip. The step's next scheduling decision is taken in-process (``tick.advance``), so the
+next messages are queued before the device is free; metrics, health and evaluation are ``report_step``'s,
+on the control queue.
+
+A step can also be *trained ahead* (``plan_ahead``, ``queue_ahead``, ``conclude_ahead``): on an on-policy
+run whose verdicts the device gives as it generates, the generate task queues the batch's step on the device
+right behind its rollout, and records it once the scheduler has claimed it over those very groups.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from webapp.runs.loop.verification import judged_inline
 from webapp.runs.models import PolicyVersion, PromptGroup, Run, RunStatus, Trajectory, VerdictChoice
 from workers import messages
 from workers.pipeline.spec import RunSpec
+from workers.policy import resident
 
 G = PromptGroup.Status
 TRAIN_CLAIM_KEYS = ("train_claim", "train_claim_at", "train_holder", "train_held_at")
@@ -154,8 +159,6 @@ def run_step(run_id: int, step: int, holder: str) -> int | None:
     """Claim, train, save and record step ``step``; the new version's number (None when nothing was done).
     A rollout task of this run in this process waits meanwhile (``resident.training``): prompts admitted
     while it trains are meant for the version it produces."""
-    from workers.policy import resident
-
     with resident.training(run_id):
         version = _run_step(run_id, step, holder)
     if version is not None:
@@ -198,8 +201,6 @@ def spec_hash(run: Run) -> str:
 
 
 def _run_step(run_id: int, step: int, holder: str) -> int | None:
-    from workers.policy import resident
-
     task_started, wall_started = time.monotonic(), time.time()
     run = Run.objects.select_related("base_model").filter(pk=run_id).first()
     if run is None or run.step >= step:
@@ -232,8 +233,6 @@ def record(run: Run, step: int, groups: list[PromptGroup], ids: list[list[int]],
            device_s: float, task_s: float, queue_wait_s: float | None, ahead: bool = False) -> int:
     """Record a trained step (``finish``, with ``result``, a ``steps.StepResult``) and the trainer's facts
     about each sample (``ids``: per group, its samples' trajectory ids); the new version's number."""
-    from workers.policy import resident
-
     where = resident.placement()
     metrics = result.metrics
     clipped = set(metrics.clipped_samples)
@@ -284,8 +283,6 @@ class Ahead:
         return self.base[1] + 1
 
     def enter(self) -> None:
-        from workers.policy import resident
-
         self.handle = self.leave.enter_context(resident.training(self.base[0]))
 
 
@@ -303,8 +300,6 @@ def plan_ahead(run: Run, spec: RunSpec, groups: list[PromptGroup], trained: Any)
     its rows written, the step claimed, its message sent and the batch read back, and the next rollout waits
     for the version to be recorded (~50 ms a step on the demo run, a fifth of it). None when it does not
     apply, and in a worker without a device process."""
-    from workers.policy import resident
-
     if not resident.can_queue() or limits_for(spec).max_staleness != 0:
         return None
     if len(groups) != spec.pipeline.batch_prompts or not all(judged_inline(g) for g in groups):
@@ -331,8 +326,6 @@ def plan_ahead(run: Run, spec: RunSpec, groups: list[PromptGroup], trained: Any)
 
 def queue_ahead(run: Run, spec: RunSpec, ahead: Ahead) -> None:
     """Queue the step on the device behind the rollout that kept its batch (``rollout_async(keep=token)``)."""
-    from workers.policy import resident
-
     ahead.future = resident.train_async(run.pk, paths.resolve_model_path(run.base_model), trainer_config(spec),
                                         ahead.base, ahead.base_step, (ahead.token, ahead.order), ahead.out,
                                         spec_hash(run))
@@ -373,8 +366,6 @@ def conclude_ahead(run_id: int, ahead: Ahead, claimed: int | None, eligible: boo
 
 
 def _record_ahead(run: Run, ahead: Ahead, groups: list[PromptGroup]) -> int:
-    from workers.policy import resident
-
     assert ahead.future is not None
     result, seconds, cpu = resident.result(ahead.future)
     if result is None:
@@ -391,8 +382,6 @@ def _record_ahead(run: Run, ahead: Ahead, groups: list[PromptGroup]) -> int:
 
 def give_up(run_id: int, ahead: Ahead) -> None:
     """Wait for a step queued ahead to leave the device; if it trained, drop the trainer it moved on."""
-    from workers.policy import resident
-
     if ahead.future is None:
         return
     try:
