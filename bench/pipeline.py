@@ -30,10 +30,13 @@ is done (the engine and trainer are loaded by then) and lasts ``--seconds``:
   rule but without its delay, averaged over the versions saved in the window's last 10 s (at least the
   three newest): one checkpoint's score swings by several points from step to step.
 
-The last line is ``result: key=value ...``; ``pass=true`` when async reaches >= 1.5x the sync mode's
-trajectories/s, a GPU-busy fraction >= 0.9, and a held-out reward no worse than sync's (within
-``--reward-tolerance``). The CPU rows show what each process used, and ``others`` what the rest of the
-machine did meanwhile: on a shared 2-core machine that load slows the "GPU" (a CPU core) directly.
+The last line is ``result: key=value ...``; ``pass=true`` when async reaches >= 3x the sync mode's
+trajectories/s, a GPU-busy fraction >= 0.95, async device ms/trajectory <= 1.1x sync's, and a held-out
+reward no worse than sync's (within ``--reward-tolerance``): the bars of "the machinery costs nothing"
+(``missed:`` names each one missed). On this 2-core machine the GPU-busy bar is not met (0.56-0.64): see
+docs/ARCHITECTURE.md, "What the machinery costs per step". The CPU rows show what each process used,
+and ``others`` what the rest of the machine did meanwhile: on a shared 2-core machine that load slows the
+"GPU" (a CPU core) directly.
 
 **Multi-turn** (``--episodes``): the same comparison with multi-turn episodes whose tool is the heavy tail. The
 domain ``addition-tool`` (the same tasks) has the environment ``bench_slow_tool`` (``bench/envs.py``,
@@ -624,8 +627,15 @@ def main(argv: list[str] | None = None) -> int:
         out["heldout_delta"] = a["heldout"] - s["heldout"]
         out["device_ratio"] = a["device_ms"] / max(s["device_ms"], 1e-9)  # the issue asks <= 1.1
         out["device_cpu_ratio"] = a["device_cpu_ms"] / max(s["device_cpu_ms"], 1e-9)
-        ok = out["speedup"] >= 1.5 and a["gpu_busy"] >= 0.9 and out["heldout_delta"] >= -args.reward_tolerance
-        print("\nresult: " + " ".join(f"{k}={v:.3f}" for k, v in out.items()) + f" db={db} pass={str(ok).lower()}")
+        # the issue's bars ("the machinery costs nothing"), each named when it is missed
+        bars = (("speedup>=3", out["speedup"] >= 3.0), ("gpu_busy>=0.95", a["gpu_busy"] >= 0.95),
+                ("device_ratio<=1.1", out["device_ratio"] <= 1.1),
+                (f"heldout_delta>=-{args.reward_tolerance:g}", out["heldout_delta"] >= -args.reward_tolerance))
+        misses = [name for name, met in bars if not met]
+        if misses:
+            print("\nmissed: " + ", ".join(misses))
+        print("\nresult: " + " ".join(f"{k}={v:.3f}" for k, v in out.items())
+              + f" db={db} pass={str(not misses).lower()}")
     else:
         print("\nresult: " + " ".join(f"{k}={v:.3f}" for k, v in out.items()) + f" db={db}")
     return 0
