@@ -82,7 +82,7 @@ def _serve(engine: Any, serve: resident.Serve | None) -> None:
 
 
 def _load(key: tuple[str, str, int, str]) -> dict[str, Any]:
-    return {"max_context": int(getattr(_engine(key), "max_context", 0) or 0)}
+    return {"max_context": resident.context_tokens(_engine(key))}
 
 
 def _generate_ids(key: tuple[str, str, int, str], serve: Any, contexts: list[list[int]], sampling: Any) -> list[Any]:
@@ -104,8 +104,8 @@ def _rollout(key: tuple[str, str, int, str], prompts: list[Any], sampling: Any, 
 
 HANDLERS: dict[str, Callable[..., Any]] = {
     "ping": lambda: os.getpid(),
-    "placement": lambda: resident.placement(),
-    "snapshot": lambda: resident.snapshot(),
+    "placement": resident.placement,
+    "snapshot": resident.snapshot,
     "load": _load,
     "generate_ids": _generate_ids,
     "generate": _generate,

@@ -18,10 +18,7 @@ import math
 import torch
 from torch import Tensor
 
-from workers.policy.steps import AdvantageKind, LossAggregation
-
-__all__ = ["AdvantageKind", "LossAggregation", "decoupled_ppo_clip", "entropy_from_logits", "group_advantages",
-           "kl_k3", "sample_advantages", "sequence_mean", "token_logprobs", "token_mean"]
+from workers.policy.steps import AdvantageKind
 
 
 def group_advantages(rewards: Tensor, kind: AdvantageKind = "grpo", eps: float = 1e-6) -> Tensor:
@@ -131,8 +128,6 @@ def decoupled_ppo_clip(
     objective = torch.minimum(unclipped, clipped_obj)
     clipped = clipped_obj < unclipped
     return -weight * objective, clipped, weight
-
-
 
 
 def token_mean(values: Tensor, mask: Tensor) -> Tensor:

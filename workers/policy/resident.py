@@ -250,10 +250,10 @@ def pin_device_cpus() -> frozenset[int] | None:
     return cpus
 
 
-def keep_off_device_cpus(cpus: frozenset[int] | None = None) -> None:
+def keep_off_device_cpus() -> None:
     """Keep every thread of this process off the device process's CPUs (the GPU worker, once its device
     process is started: its bookkeeping, like every other process's, runs beside the device, not on it)."""
-    cpus = device_cpus() if cpus is None else cpus
+    cpus = device_cpus()
     rest = set(os.sched_getaffinity(0)) - set(cpus or ())
     if not cpus or not rest:
         return
@@ -443,6 +443,11 @@ def rollout_async(engine: Any, prompts: list[Any], sampling: Any, *, serve: Serv
     return _REMOTE.submit_rollout(engine, prompts, sampling, serve, judges, keep)
 
 
+def context_tokens(engine: Any) -> int:
+    """The model's context in tokens (``Engine.max_context``; 0 when the engine does not say)."""
+    return int(getattr(engine, "max_context", 0) or 0)
+
+
 def _rollout(engine: Any, prompts: list[Any], sampling: Any, serve_: Serve | None, judges: list[Judge | None] | None,
              keep: str | None) -> Rollout:
     from workers.policy.chat import prompt_text
@@ -450,7 +455,7 @@ def _rollout(engine: Any, prompts: list[Any], sampling: Any, serve_: Serve | Non
     from workers.verifiers.base import JudgeInput, judge_all
 
     contexts = encode_prompts(engine.tokenizer, prompts)
-    limit = int(getattr(engine, "max_context", 0) or 0)
+    limit = context_tokens(engine)
     too_long = {i: len(ids) for i, ids in enumerate(contexts) if limit and len(ids) + sampling.max_tokens > limit}
     kept = [i for i in range(len(prompts)) if i not in too_long]
     if serve_ is not None:
@@ -542,8 +547,7 @@ def wait(future: Future[Any]) -> Any:
 def result(future: Future[Any]) -> tuple[Any, float, float]:
     """A queued request's ``(value, seconds, cpu seconds)``, waiting for it (charged to nobody: the caller
     accounts for it)."""
-    value, seconds, cpu = future.result()
-    return value, seconds, cpu
+    return future.result()
 
 
 def device_time() -> tuple[float, float]:

@@ -21,7 +21,7 @@ from webapp.runs import services
 from webapp.runs.models import PromptGroup, Run
 
 UNFIT = "the prompt is"
-"""How the drop reason of a prompt longer than the model's context starts (``generation.fit_prompts``)."""
+"""How the drop reason of a prompt longer than the model's context starts (``generation.refusal``)."""
 
 UNFIT_LIMIT = 8
 """A domain whose first this many groups in a run were all dropped for prompts longer than the model's

@@ -244,11 +244,6 @@ def inline_judge(group: PromptGroup) -> Any:
                  reference=group.task.reference if group.task else {}, domain_kind=group.domain.kind)
 
 
-def context_tokens(engine: Any) -> int:
-    """The model's context in tokens (``Engine.max_context``; 0 when the engine does not say)."""
-    return int(getattr(engine, "max_context", 0) or 0)
-
-
 def refusal(tokens: int, context: int, max_tokens: int) -> str:
     """Why a prompt of ``tokens`` tokens is not sampled: it leaves no room in the model's context for
     ``max_tokens`` more. Sampling past the context is undefined for the model, and one long prompt pads a
@@ -388,7 +383,7 @@ def play_episodes(run: Run, spec: RunSpec, engine: Any, items: list[tuple[Any, A
         device_s[0] += timer.seconds
         return out
 
-    context = e.context_tokens or context_tokens(engine) or 4096
+    context = e.context_tokens or resident.context_tokens(engine) or 4096
     limits = EpisodeLimits(max_turns=e.max_turns, max_tokens_per_turn=e.max_tokens_per_turn or spec.sampling.max_tokens,
                            context_tokens=context, deadline_s=e.deadline_seconds)
     episodes: list[Episode] = []

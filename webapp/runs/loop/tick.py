@@ -96,10 +96,10 @@ def snapshot(run: Run, spec: RunSpec, *, recovering: bool = False, broker_reset:
                        share=_share(run, spec) if run.status == RunStatus.RUNNING else Share(share=spec.share))
 
 
-def _apply(run: Run, spec: RunSpec, tick: Tick, train_here: str = "") -> None:
+def _apply(run: Run, spec: RunSpec, tick: Tick, train_here: str = "") -> int | None:
     """Write the tick's decisions (under the run's lock) and queue its messages for after commit. A train
     step claimed with ``train_here`` (a holder) is held by that worker's calling task, which trains it: no
-    message is sent for it."""
+    message is sent for it. Returns the train step claimed, if any."""
     now = timezone.now()
     if tick.revoke:  # the queued ids are read before the groups are dropped
         transaction.on_commit(partial(messages.revoke, queued_ids(run)))
@@ -126,10 +126,10 @@ def _apply(run: Run, spec: RunSpec, tick: Tick, train_here: str = "") -> None:
         transaction.on_commit(partial(messages.train_step, run.pk, int(run.state["train_claim"])))
     if tick.complete:
         services.do_complete_run(run, tick.complete)
-        return
+        return None
     if tick.mark_paused:
         services.do_mark_paused(run)
-        return
+        return None
     state_changed = False
     if tick.claim_train is not None:
         run.state["train_claim"] = tick.claim_train
@@ -151,6 +151,7 @@ def _apply(run: Run, spec: RunSpec, tick: Tick, train_here: str = "") -> None:
     if tick.admit_total:
         ids = admission.admit(run, tick.admit, tick.retry)
         transaction.on_commit(partial(messages.generate_chunks, run.pk, ids, size))
+    return tick.claim_train
 
 
 def advance(run_id: int, *, recovering: bool = False, broker_reset: bool = False,
@@ -185,8 +186,7 @@ def _advance(run_id: int, *, recovering: bool = False, broker_reset: bool = Fals
             spec = RunSpec.model_validate(run.spec)
             tick = decide(snapshot(run, spec, recovering=recovering, broker_reset=broker_reset, liveness=liveness),
                           limits_for(spec))
-            _apply(run, spec, tick, train_here)
-            claimed = tick.claim_train if not (tick.complete or tick.mark_paused) else None
+            claimed = _apply(run, spec, tick, train_here)
     except InvalidTransition as exc:  # another delivery or a person moved it first
         log.info("advance(%s): %s", run_id, exc)
         claimed = None

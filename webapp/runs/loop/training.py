@@ -261,8 +261,6 @@ class Ahead:
     """A train step queued on the device right behind its own rollout, before its rows are written and before
     the scheduler has claimed it (``plan_ahead``)."""
 
-    step: int
-    """The step it will be, if the scheduler claims it over these groups."""
     base: tuple[int, int, Path | None]
     """(run, version, directory) it trains from, and the rollout samples from."""
     base_step: int
@@ -277,6 +275,11 @@ class Ahead:
     handle: Any = None
     """``resident.training``'s step, once ``enter``: the run's next rollout waits on it."""
     started: float = field(default_factory=time.monotonic)
+
+    @property
+    def step(self) -> int:
+        """The step it will be, if the scheduler claims it over these groups."""
+        return self.base_step + 1
 
     @property
     def version(self) -> int:
@@ -320,7 +323,7 @@ def plan_ahead(run: Run, spec: RunSpec, groups: list[PromptGroup], trained: Any)
     order = sorted(range(len(groups)), key=lambda i: groups[i].pk)
     out = paths.version_dir(run.pk, base[1] + 1)
     assert out is not None
-    return Ahead(step=base_step + 1, base=base, base_step=base_step, out=out, order=order,
+    return Ahead(base=base, base_step=base_step, out=out, order=order,
                  group_ids=[groups[i].pk for i in order])
 
 

@@ -192,11 +192,10 @@ class Command(BaseCommand):
                where: str = "rest") -> None:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "REDIS_URL": settings.REDIS_URL}
         cpus = None  # this process's own (all of them, until the GPU worker is started)
-        if self.device_cpus and where == "device":
-            env["TEMPER_DEVICE_CPUS"] = ",".join(str(c) for c in sorted(self.device_cpus))
-            cpus = self.rest_cpus | self.device_cpus
-        elif self.device_cpus:
+        if self.device_cpus:
             cpus = self.rest_cpus if where == "rest" else self.rest_cpus | self.device_cpus
+            if where == "device":
+                env["TEMPER_DEVICE_CPUS"] = ",".join(str(c) for c in sorted(self.device_cpus))
         # own_session: the terminal's Ctrl-C (sent to our whole process group) does not reach the child;
         # we stop it ourselves, in order.
         self.children.append((name, subprocess.Popen(argv, env=env, start_new_session=own_session,
