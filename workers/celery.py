@@ -115,11 +115,11 @@ def _start_device(options: dict[str, object] | None = None, **_: object) -> None
     names = queues.split(",") if isinstance(queues, str) else list(queues)  # type: ignore[call-overload]
     if not {"rollout", "train"} & set(names):
         return
-    if os.environ.get("TEMPER_DEVICE_PROCESS", "1") == "0":
-        resident.warm_up()
-    else:
+    if device_process.enabled():
         device_process.start()  # (``workers.gpu_worker`` started it already)
         resident.keep_off_device_cpus()  # the device process has them (its affinity is its own from now on)
+    else:
+        resident.warm_up()
 
 
 # Where each task's time goes, when TEMPER_PROFILE names a directory (bench/demo.py): a no-op otherwise.

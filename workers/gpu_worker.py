@@ -10,14 +10,13 @@ that much later. ``TEMPER_DEVICE_PROCESS=0`` starts none.
 
 from __future__ import annotations
 
-import os
 import sys
 
 
 def main(argv: list[str]) -> None:
-    if os.environ.get("TEMPER_DEVICE_PROCESS", "1") != "0":
-        from workers.policy import device_process
+    from workers.policy import device_process
 
+    if device_process.enabled():
         device_process.start()  # the worker's own celeryd_init finds it started
     from celery.__main__ import main as celery
 

@@ -383,6 +383,12 @@ class RemoteEngine:
 _CLIENT: DeviceClient | None = None
 
 
+def enabled() -> bool:
+    """Whether a GPU worker runs its device work in a device process (``TEMPER_DEVICE_PROCESS``, on unless
+    ``0``), or in its own process."""
+    return os.environ.get("TEMPER_DEVICE_PROCESS", "1") != "0"
+
+
 def start() -> DeviceClient:
     """Start this process's device process and route ``resident``'s engines and trainers to it."""
     global _CLIENT
