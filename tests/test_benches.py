@@ -114,3 +114,23 @@ def test_the_demo_benchmark_adds_up_a_step_from_the_workers_task_records(tmp_pat
     assert b["wall"] == 5.0 and b["device"] == 2.5 and b["device_cpu"] == 2.0 and b["db"] == 0.35
     assert b["evaluation"] == 0.5 and b["no_task"] == 1.5  # nothing ran in [106, 107) and [108, 110): 3 s
     assert abs(b["python"] - (4.0 - 3.6 + 3.0 - 2.2) / 2) < 1e-9 and b["db_queries"] == 8 and b["messages"] == 1
+
+
+def test_the_widened_demo_model_computes_the_demo_models_function_with_more_parameters(tmp_path):
+    """bench/widen.py pads the demo model with zeros (3x: sqrt(1/3) and eps/3 are not exact in binary), and
+    the wide model's log-probabilities are the demo model's; a wide model with one of its new units live is
+    not (so the comparison can fail)."""
+    sys.path.insert(0, str(ROOT))
+    from safetensors.torch import load_file, save_file
+
+    from bench.widen import SOURCE, check, widen
+
+    sizes = widen(SOURCE, tmp_path / "wide", 3)
+    assert sizes["hidden"] == 3 * 128 and sizes["parameters"] > 8 * sizes["source_parameters"]
+    assert check(SOURCE, tmp_path / "wide") < 1e-4
+    weights = load_file(str(tmp_path / "wide" / "model.safetensors"))
+    weights["model.layers.0.mlp.up_proj.weight"][-1] = 1.0  # a new MLP unit, live
+    weights["model.layers.0.mlp.gate_proj.weight"][-1] = 1.0
+    weights["model.layers.0.mlp.down_proj.weight"][:, -1] = 1.0
+    save_file(weights, str(tmp_path / "wide" / "model.safetensors"), metadata={"format": "pt"})
+    assert check(SOURCE, tmp_path / "wide") > 1e-3

@@ -155,6 +155,12 @@ CASES = [
     ("too stale ready groups are dropped with the reason, and do not count",
      snap(g(1, "ready", generated_version=0), g(2, "ready", generated_version=2)), TICK,
      {"drop": {"staler than 1 version(s) at step 3": [1]}, "claim_train": None}),
+    ("a group still being judged is dropped as soon as it is too stale, and frees its place",
+     snap(g(1, "verifying", generated_version=0), g(2, "verifying", generated_version=1)), TICK,
+     {"drop": {"staler than 1 version(s) at step 3": [1]}, "admit": {1: 3}}),  # (1+2+1)*2 - (4 trained + 1)
+    ("a too stale group whose judge is gone is dropped, not judged again",
+     snap(g(1, "verifying", generated_version=0, holder_gone="sandbox@a stopped"), recovering=True), TICK,
+     {"drop": {"staler than 1 version(s) at step 3": [1]}, "reverify": []}),
     ("the last step trained: complete, dropping what is left",
      snap(g(7, "verifying"), step=10, version=10, trained=20), TICK,
      {"complete": "reached max_steps=10", "drop": {"run completed before it was trained": [7]}}),
