@@ -11,7 +11,8 @@ Alerts, each with a stable key so it is raised once and cleared when the conditi
 * ``invalid_rate``: more than ``max_invalid_rate`` of the latest verdicts are invalid (the verifier cannot
   judge: a crash, a timeout, an unusable reference). Level warning.
 * ``staleness``: the latest step trained samples more versions old than the bound, or more than a batch of
-  groups was dropped as too stale lately (generation falls behind training). Level warning.
+  groups was dropped as too stale lately (their generation or judging outlasted ``max_staleness`` steps: a
+  slow judge's tail is overtaken by later groups). Level warning.
 * ``worker_gone:<name>``: a worker that was alive while the run was active stopped sending heartbeats
   without a clean shutdown. Level warning.
 * ``no_worker:<queue>``: no live worker consumes a queue the run needs. Level error.
@@ -124,8 +125,9 @@ def check(facts: HealthFacts, bounds: Bounds) -> list[Alert]:
                             f"(bound {bounds.staleness})", {"step": latest.step, "lag": latest.staleness_max}))
     elif facts.stale_dropped > bounds.stale_drops:
         alerts.append(Alert("staleness", "alert.staleness", "warning",
-                            f"{facts.stale_dropped} recent groups were dropped as too stale: generation falls "
-                            "behind training", {"dropped": facts.stale_dropped}))
+                            f"{facts.stale_dropped} recent groups were dropped as too stale: their generation "
+                            "or judging outlasted max_staleness steps (raise it, or shorten the verifier's tail)",
+                            {"dropped": facts.stale_dropped}))
     if facts.deferred_s > bounds.starved_seconds:
         alerts.append(Alert("starved", "alert.starved", "warning",
                             f"the run has waited {facts.deferred_s:.0f} s for its share of the shared workers "
