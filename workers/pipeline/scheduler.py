@@ -12,9 +12,9 @@ else decides. Pure: plain dataclasses in, plain dataclasses out; no Django, no C
 where ``v`` is the newest policy version, ``B`` the train batch in prompt groups, ``accepted`` the groups
 already verified (ready, training or trained) and ``running`` those still being generated or verified.
 So no sample can ever be more than ``max_staleness`` versions old when it is trained (one overtaken by later
-groups while it is judged is dropped instead: see Staleness below). ``max_staleness = 0`` is the synchronous mode: generate a batch,
-verify it, train on it, and only then generate the next. Retries come first: a prompt whose group got an
-invalid verdict is admitted again ahead of new prompts. New prompts are spread across domains by weight
+groups while it is judged is dropped instead: see Staleness below). ``max_staleness = 0`` is the synchronous
+mode: generate a batch, verify it, train on it, and only then generate the next. Retries come first: a
+prompt whose group got an invalid verdict is admitted again ahead of new prompts. New prompts are spread across domains by weight
 (largest deficit first, higher priority first). Backpressure: at most ``max_in_flight`` groups are in
 flight. Generation is handed out in whole chunks of ``rollout_batch`` while the GPU worker has other work
 queued, so it runs a few large batches rather than many small ones; a partial chunk goes out only when the
@@ -321,7 +321,7 @@ def decide(snap: RunSnapshot, limits: PipelineLimits) -> Tick:
         return tick
     # A group still being judged is dropped as soon as it is too stale, not when its verdicts are in: versions
     # only grow, so it could never be trained, and meanwhile it held a place under the staleness bound (a
-    # judge's slow tail held such groups ~1.7 s in bench/pipeline.py, about one place in ten)
+    # judge's slow tail held such groups ~1.7 s in bench/pipeline.py: ~13 of its 80 places)
     stale = [g.id for g in snap.groups if g.status in ("verifying", "ready") and g.generated_version is not None
              and g.generated_version < snap.version - limits.max_staleness and g.id not in dropped]
     if stale:
