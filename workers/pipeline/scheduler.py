@@ -10,12 +10,12 @@ else decides. Pure: plain dataclasses in, plain dataclasses out; no Django, no C
     (max_staleness + v + 1) * B - (accepted + running) > 0
 
 where ``v`` is the newest policy version, ``B`` the train batch in prompt groups, ``accepted`` the groups
-already verified (ready, training or trained) and ``running`` those still being generated or verified.
-So no sample can ever be more than ``max_staleness`` versions old when it is trained (one overtaken by later
-groups while it is judged is dropped instead: see Staleness below). ``max_staleness = 0`` is the synchronous
-mode: generate a batch, verify it, train on it, and only then generate the next. Retries come first: a
-prompt whose group got an invalid verdict is admitted again ahead of new prompts. New prompts are spread across domains by weight
-(largest deficit first, higher priority first). Backpressure: at most ``max_in_flight`` groups are in
+already verified (ready, training or trained) and ``running`` those still being generated or verified. So no
+sample can ever be more than ``max_staleness`` versions old when it is trained (one overtaken by later groups
+while it is judged is dropped instead: see Staleness below). ``max_staleness = 0`` is the synchronous mode:
+generate a batch, verify it, train on it, and only then generate the next. Retries come first: a prompt whose
+group got an invalid verdict is admitted again ahead of new prompts. New prompts are spread across domains by
+weight (largest deficit first, higher priority first). Backpressure: at most ``max_in_flight`` groups are in
 flight. Generation is handed out in whole chunks of ``rollout_batch`` while the GPU worker has other work
 queued, so it runs a few large batches rather than many small ones; a partial chunk goes out only when the
 device would otherwise idle.
