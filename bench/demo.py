@@ -92,7 +92,8 @@ def bare_child(spec: dict[str, Any], budget: float) -> None:
         report = run_grpo(REPO / "assets/base-models/demo", tmp, config=config, max_steps=2_000,
                           time_budget_s=budget, prompts_per_step=p["batch_prompts"], group_size=p["group_size"],
                           eval_every=spec["eval_every"], seed=spec["seed"], early_stop_gain=GAIN,
-                          progress=progress, train_rows=train, heldout_rows=heldout)
+                          progress=progress, train_rows=train, heldout_rows=heldout,
+                          stop=tuple(spec["sampling"].get("stop", ())))
     print(json.dumps({"time": time.time(), "before": report.before, "started": started, "steps": report.steps,
                       "cpu": time.process_time()}), flush=True)
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from workers.policy.demo_loop import run_grpo
-from workers.policy.engines import load_engine
+from workers.policy.engines import SamplingParams, load_engine
 from workers.policy.trainer import TrainerConfig
 
 TORCH_STEPS = 300  # measured: +42 points first seen at step 230 (seed 0)
@@ -131,3 +131,24 @@ def test_lag_trains_on_batches_sampled_that_many_versions_back(
                       max_steps=4, time_budget_s=NO_TIME_LIMIT, eval_every=1000, heldout_size=8, lag=lag)
     assert report.steps == 4
     assert seen == [(v, {max(0, v - lag)}) for v in range(4)]
+
+
+def test_the_bare_loop_samples_and_evaluates_with_the_runs_stop_strings(demo_dir: Path, tmp_path: Path,
+                                                                        one_thread: None) -> None:
+    """bench/demo.py compares the bare loop with a run whose sampling stops at a newline: without the stop, a
+    sample that emitted a newline and then end-of-text trained on that extra token in the bare loop only,
+    and the two held-out curves parted at step 150. Every generation of the loop carries the stop."""
+    engine = load_engine("torch", demo_dir, seed=0)
+    seen = []
+    generate = engine.generate
+
+    def recording(prompts, sampling, *args, **kwargs):  # the real engine, its parameters noted
+        seen.append(sampling.stop)
+        return generate(prompts, sampling, *args, **kwargs)
+
+    engine.generate = recording  # type: ignore[method-assign]
+    run_grpo(demo_dir, tmp_path, engine=engine, config=TrainerConfig(lr=1e-4, lora_rank=0, seed=0), max_steps=1,
+             prompts_per_step=2, group_size=2, eval_every=1, heldout_size=4, stop=("\n",))
+    assert len(seen) == 3 and set(seen) == {("\n",)}  # held-out before, the step's samples, held-out after
+    assert not any("\n" in s.text for s in engine.generate(["12+34="], SamplingParams(n=4, temperature=1.0,
+                                                                                      max_tokens=6, stop=("\n",))))

@@ -37,8 +37,10 @@ class LoopReport:
     collapse_reason: str | None = None
 
 
-def heldout_accuracy(engine: Engine, rows: list[dict[str, str]], max_tokens: int = 6) -> float:
-    out = engine.generate([r["prompt"] for r in rows], SamplingParams(temperature=0.0, max_tokens=max_tokens))
+def heldout_accuracy(engine: Engine, rows: list[dict[str, str]], max_tokens: int = 6,
+                     stop: tuple[str, ...] = ()) -> float:
+    out = engine.generate([r["prompt"] for r in rows],
+                          SamplingParams(temperature=0.0, max_tokens=max_tokens, stop=stop))
     return sum(exact_match(s.text, r["answer"]) for s, r in zip(out, rows, strict=True)) / len(rows)
 
 
@@ -64,13 +66,16 @@ def run_grpo(
     train_rows: list[dict[str, str]] | None = None,
     heldout_rows: list[dict[str, str]] | None = None,
     lag: int = 0,
+    stop: tuple[str, ...] = (),
 ) -> LoopReport:
     """Run GRPO on one demo domain until ``max_steps``, ``time_budget_s``, held-out >= ``target`` or
     held-out >= the starting accuracy + ``early_stop_gain``.
 
     Evaluation time counts towards the budget. Returns held-out greedy exact match before and after.
     ``lag``: train each step on a batch sampled ``lag`` versions before the newest, as the asynchronous
-    pipeline may (``max_staleness``); 0 is on-policy.
+    pipeline may (``max_staleness``); 0 is on-policy. ``stop``: the sampling's stop strings, as a run's
+    ``sampling.stop`` (the demo run stops at a newline: bench/demo.py passes it, or a sample that emits one
+    and then end-of-text trains on that token here and not in the full system).
     """
     started = time.monotonic()
     cfg = config or TrainerConfig(seed=seed)
@@ -83,11 +88,11 @@ def run_grpo(
         train_rows = demo_tasks(domain, prompts_per_step * max_steps, seed=seed, split="train")
     elif len(train_rows) < prompts_per_step * max_steps:  # the stream goes round, as the loop's admission does
         train_rows = (train_rows * (prompts_per_step * max_steps // len(train_rows) + 1))[:prompts_per_step * max_steps]
-    before = best = after = heldout_accuracy(eng, heldout)
+    before = best = after = heldout_accuracy(eng, heldout, stop=stop)
     report = LoopReport(before=before, after=before, best=before, steps=0, seconds=0.0)
     if early_stop_gain is not None:
         target = min(target if target is not None else 1.0, before + early_stop_gain)
-    spec = SamplingParams(n=group_size, temperature=cfg.temperature, max_tokens=6)
+    spec = SamplingParams(n=group_size, temperature=cfg.temperature, max_tokens=6, stop=stop)
     work = Path(work_dir)
 
     def sample_batch(step: int) -> list[Group]:
@@ -121,7 +126,7 @@ def run_grpo(
             info["collapse"] = metrics.collapse_reason
         last = step == max_steps or time.monotonic() - started > time_budget_s
         if step % eval_every == 0 or last:
-            after = heldout_accuracy(eng, heldout)
+            after = heldout_accuracy(eng, heldout, stop=stop)
             best = max(best, after)
             info["heldout"] = after
         report.history.append(info)
@@ -129,7 +134,7 @@ def run_grpo(
             progress(info)
         report.steps = step
         if stop_on_collapse and report.collapsed:
-            after = heldout_accuracy(eng, heldout)
+            after = heldout_accuracy(eng, heldout, stop=stop)
             break
         if last or (target is not None and "heldout" in info and after >= target):
             break
