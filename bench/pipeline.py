@@ -437,9 +437,11 @@ def measure(mode: str, args: argparse.Namespace, owner: Any, base_model: Any, do
         time.sleep(0.2)
     time.sleep(1.0)
     device, device_cpu = device_seconds(procs.workdir / "profile", t0.timestamp(), t1.timestamp())
+    from workers.pipeline.scheduler import STALE
+
     stages = group_times(run, step0, step1)
     # groups dropped in the window as too stale (a slow judge's tail, overtaken), against those trained in it
-    stale = PromptGroup.objects.filter(run=run, status="dropped", drop_reason__startswith="staler than",
+    stale = PromptGroup.objects.filter(run=run, status="dropped", drop_reason__startswith=STALE,
                                        updated_at__gte=t0, updated_at__lt=t1).count()
     stages["stale_share"] = stale / max(1, stale + trained // args.group)
     # Little's law: the staleness bound lets at most `window` groups be neither trained nor dropped, each for

@@ -45,6 +45,9 @@ from dataclasses import dataclass, field, replace
 
 IN_FLIGHT = ("admitted", "generating", "verifying")
 """Groups admitted but not yet verified: the stages whose work a lost message can strand."""
+STALE = "staler than"
+"""How the drop reason of a group too stale to train starts (the staleness alert and bench/pipeline.py count
+them by it)."""
 WAITING = ("admitted", "generating")
 """Groups whose generation is queued or under way (a rollout task has them or is still to come)."""
 
@@ -325,7 +328,7 @@ def decide(snap: RunSnapshot, limits: PipelineLimits) -> Tick:
     stale = [g.id for g in snap.groups if g.status in ("verifying", "ready") and g.generated_version is not None
              and g.generated_version < snap.version - limits.max_staleness and g.id not in dropped]
     if stale:
-        tick.drop[f"staler than {limits.max_staleness} version(s) at step {snap.step + 1}"] = stale
+        tick.drop[f"{STALE} {limits.max_staleness} version(s) at step {snap.step + 1}"] = stale
         tick.reverify = [gid for gid in tick.reverify if gid not in stale]
     gone = dropped | set(stale)
     live = [g for g in snap.groups if g.id not in gone]

@@ -28,6 +28,7 @@ from webapp.runs.models import (
 )
 from workers.pipeline import alerts as rules
 from workers.pipeline.alerts import HealthFacts, StepFacts, WorkerFacts
+from workers.pipeline.scheduler import STALE
 from workers.pipeline.spec import RunSpec
 
 G = PromptGroup.Status
@@ -67,7 +68,7 @@ def gather(run: Run, spec: RunSpec, now: datetime) -> HealthFacts:
     return HealthFacts(
         steps=steps, judged=len(verdicts),
         invalid_share=sum(v == VerdictChoice.INVALID for v in verdicts) / max(1, len(verdicts)),
-        stage_age_s=ages, stale_dropped=sum(r.startswith("staler than") for r in recent), workers=workers,
+        stage_age_s=ages, stale_dropped=sum(r.startswith(STALE) for r in recent), workers=workers,
         deferred_s=now.timestamp() - float(run.state["deferred_since"]) if run.state.get("deferred_since") else 0.0,
     )
 
