@@ -36,3 +36,23 @@ def test_a_batch_of_groups_each_gets_its_own_outcome(user, django_assert_max_num
     assert fresh["all_invalid_last_try"].drop_reason.endswith("no retry left after 2")
     assert fresh["pending"].status == "verifying" and fresh["pending"].holder == "w1"
     assert fresh["finished_elsewhere"].status == "ready" and fresh["finished_elsewhere"].holder == "w1"
+
+
+def test_a_group_is_announced_once_when_its_last_sample_is_judged():
+    """``when_all_done``: the verify worker learns of each remotely judged group once, when its last
+    verdict is in, whatever order the samples finish in (a group with none is done at once)."""
+    from concurrent.futures import Future
+
+    from webapp.runs.loop.verification import when_all_done
+
+    announced: list[str] = []
+    groups = {name: [Future() for _ in range(n)] for name, n in (("a", 3), ("b", 2), ("empty", 0))}
+    for name, futures in groups.items():
+        when_all_done(futures, lambda name=name: announced.append(name))
+    assert announced == ["empty"]
+    for future in (groups["a"][2], groups["b"][0], groups["a"][0]):
+        future.set_result("pass")
+    assert announced == ["empty"]  # each has a sample still out
+    groups["b"][1].set_result("pass")
+    groups["a"][1].set_exception(RuntimeError("judge thread died"))  # done, too: its result raises later
+    assert announced == ["empty", "b", "a"]
