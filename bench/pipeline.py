@@ -13,6 +13,8 @@ The slow verifier is an ``llm_judge`` verifier whose OpenAI-compatible endpoint 
 script: each request waits a heavy-tailed delay (lognormal, median 100 ms, sigma 1: p99 ~1 s, capped at
 5 s), as a remote judge model does, then grades the answer line against the reference exactly (so its
 verdicts equal the demo's exact-match verifier). A rollout batch's samples are sent to the judge at once.
+``--judge-hedge Q`` sets the verifier's ``hedge_quantile`` (hedged requests); the workload line then shows
+the requests a judgment cost (the judge tells a repeat by its nonce) and the most open at once.
 
 Each mode gets a fresh run with the demo run's spec, except ``pipeline.mode`` (async with
 ``max_staleness`` 3) and no evaluation inside the loop. The window opens when the run's first train step
@@ -147,6 +149,9 @@ class JudgeServer:
         self.rng = random.Random(seed)
         self.lock = threading.Lock()
         self.delays: list[float] = []
+        self.in_flight = 0
+        self.in_flight_max = 0  # requests open at once, at most (each verify process has 64 judge threads)
+        self.asked: set[str] = set()  # the judgments asked about (their nonces): a hedged request repeats one
         judge = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -155,10 +160,16 @@ class JudgeServer:
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 reply = judge.grade(body["messages"][-1]["content"])
+                nonce = re.search(r"<response-(\w+)>", body["messages"][-1]["content"])
                 with judge.lock:
+                    judge.asked.add(nonce.group(1) if nonce else str(len(judge.delays)))
                     delay = min(judge.cap, judge.median * math.exp(judge.rng.gauss(0.0, judge.sigma)))
                     judge.delays.append(delay)
+                    judge.in_flight += 1
+                    judge.in_flight_max = max(judge.in_flight_max, judge.in_flight)
                 time.sleep(delay)
+                with judge.lock:
+                    judge.in_flight -= 1
                 out = json.dumps({"choices": [{"message": {"role": "assistant", "content": reply}}]}).encode()
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
@@ -348,7 +359,8 @@ def seed(judge_url: str | None, args: argparse.Namespace) -> tuple[Any, Any, Any
             "kind": "llm_judge", "description": "Remote judge with lognormal latency (bench/pipeline.py)",
             "config": {"rubric": "The response's first line must equal the reference answer exactly.",
                        "endpoint": judge_url, "model": "bench-judge", "score_format": "pass_fail",
-                       "pass_threshold": 1.0, "template": JUDGE_TEMPLATE, "timeout_seconds": 30, "max_retries": 1}})
+                       "pass_threshold": 1.0, "template": JUDGE_TEMPLATE, "timeout_seconds": 30, "max_retries": 1,
+                       "hedge_quantile": args.judge_hedge}})
         domain, created = TaskDomain.objects.get_or_create(owner=owner, name="addition",
                                                            defaults={"kind": "answer", "verifier": verifier})
     if created:
@@ -588,6 +600,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--judge-median-ms", type=float, default=100.0)
     parser.add_argument("--judge-sigma", type=float, default=1.0, help="lognormal sigma of the judge's latency")
     parser.add_argument("--judge-cap-s", type=float, default=5.0)
+    parser.add_argument("--judge-hedge", type=float, default=None, metavar="Q",
+                        help="the verifier's hedge_quantile: send a judge request again once it is open longer than "
+                             "this quantile of the judge's recent latencies (e.g. 0.95); off by default")
     parser.add_argument("--episodes", action="store_true",
                         help="multi-turn episodes with a heavy-tailed tool (bench/envs.py) instead of the slow judge")
     parser.add_argument("--tool-turns", type=int, default=2, help="--episodes: tool calls before the answer")
@@ -667,7 +682,9 @@ def main(argv: list[str] | None = None) -> int:
           f"async max_staleness={args.staleness}; judge latency median {args.judge_median_ms:.0f} ms, "
           f"sigma {args.judge_sigma}, measured p50/p95/p99/max "
           + "/".join(f"{delays[min(len(delays) - 1, int(len(delays) * q))] * 1000:.0f}" for q in (0.5, 0.95, 0.99, 1.0))
-          + f" ms over {len(delays)} requests; verify concurrency {args.verify_concurrency}; database {db}\n")
+          + f" ms over {len(delays)} requests ({len(delays) / max(1, len(judge.asked)):.3f} a judgment"
+          + (f", hedged at the {args.judge_hedge} quantile" if args.judge_hedge else "")
+          + f"), at most {judge.in_flight_max} at once; verify concurrency {args.verify_concurrency}; database {db}\n")
     rows = [("trajectories/s", "traj_s", "{:.1f}"), ("GPU-busy fraction", "gpu_busy", "{:.3f}"),
             ("device ms/trajectory", "device_ms", "{:.2f}"), ("  of it device-thread CPU", "device_cpu_ms", "{:.2f}"),
             ("held-out reward", "heldout", "{:.3f}"), ("train steps in window", "steps", "{:.0f}"),

@@ -287,3 +287,105 @@ def test_a_keep_alive_judge_is_asked_over_one_connection_per_thread_even_after_i
         httpd.server_close()
     assert [v.status for v in verdicts] == ["pass"] * 4, [v.reason for v in verdicts]
     assert len(connections) == 2  # three requests on the first, the fourth on a new one
+
+
+def test_latencies_quantile_waits_for_enough_answers_then_follows_them() -> None:
+    from workers.verifiers.llm_judge import Latencies
+
+    seen = Latencies(keep=100, warm=10, every=5)
+    for ms in range(1, 10):
+        seen.add(ms / 1000)
+    assert seen.quantile(0.9) is None  # nine answers: no hedging on a guess
+    seen.add(0.010)
+    assert seen.quantile(0.9) == 0.010 and seen.quantile(0.5) == 0.006
+    for _ in range(100):  # the judge got slower: the quantile follows within `every` answers
+        seen.add(1.0)
+    assert seen.quantile(0.5) == 1.0
+
+
+def _stalling_judge(second: Callable[[dict[str, Any]], tuple[int, bytes]],
+                    ) -> tuple[Callable[[dict[str, Any]], tuple[int, bytes]], dict[str, int], threading.Event]:
+    """A judge that answers at once, except the first copy of the judgment asking about "Lyon": that copy
+    stalls until ``release`` is set and then scores 1; a repeat of it (a hedge) gets ``second``'s answer."""
+    copies: dict[str, int] = {}
+    lock, release = threading.Lock(), threading.Event()
+
+    def behave(body: dict[str, Any]) -> tuple[int, bytes]:
+        prompt = body["messages"][0]["content"]
+        nonce = re.search(r"<response-([0-9a-f]+)>", prompt).group(1)  # type: ignore[union-attr]
+        with lock:
+            copies[nonce] = copies.get(nonce, 0) + 1
+            copy = copies[nonce]
+        if "Lyon" not in prompt:
+            return reply_with(careful_judge)(body)
+        if copy == 1:
+            release.wait(30)
+            return reply_with(lambda p: "The first copy, late.\nSCORE: 1")(body)
+        return second(body)
+
+    return behave, copies, release
+
+
+def test_a_hedged_request_takes_the_first_reply_of_two(server: tuple[str, type[_Handler]]) -> None:
+    """With ``hedge_quantile``, a request open longer than that quantile of the judge's recent latencies is
+    sent again, the same body (same nonce), and the copy that answers first gives the verdict: here the
+    stalled first copy would score 1 (fail) and the prompt repeat scores 10 (pass)."""
+    from workers.verifiers import llm_judge
+
+    endpoint, handler = server
+    behave, copies, release = _stalling_judge(reply_with(lambda p: "The repeat, at once.\nSCORE: 10"))
+    handler.behaviour = staticmethod(behave)
+    verifier = build_verifier("llm_judge", cfg(endpoint, hedge_quantile=0.9, timeout_seconds=60))
+    try:
+        for _ in range(50):  # the judge's recent latencies: nothing is hedged before 50 answers
+            assert verifier.judge(JudgeInput("Capital of France?", "It is Paris.", "Paris")).status == "pass"
+        assert all(n == 1 for n in copies.values())
+        hedged = llm_judge.hedged_requests
+        verdict = verifier.judge(JudgeInput("Capital of France?", "It is Lyon.", "Paris"))
+    finally:
+        release.set()
+    assert (verdict.status, verdict.score) == ("pass", 1.0), verdict
+    assert "The repeat" in verdict.details["rationale"][0]
+    assert sorted(copies.values())[-1] == 2 and llm_judge.hedged_requests == hedged + 1
+
+
+def test_a_hedge_that_fails_waits_for_the_first_copy(server: tuple[str, type[_Handler]]) -> None:
+    """An error from one copy is not the answer while the other may still give one: the hedge's HTTP 500
+    lets the stalled first copy go on (it is released by the hedge's arrival) and that copy's reply counts."""
+    endpoint, handler = server
+    release_first = threading.Event()
+
+    def fail_and_release(body: dict[str, Any]) -> tuple[int, bytes]:
+        release_first.set()
+        return 500, b"overloaded"
+
+    behave, copies, release = _stalling_judge(fail_and_release)
+    handler.behaviour = staticmethod(behave)
+    verifier = build_verifier("llm_judge", cfg(endpoint, hedge_quantile=0.9, max_retries=0, timeout_seconds=60))
+    threading.Thread(target=lambda: release.set() if release_first.wait(30) else None, daemon=True).start()
+    try:
+        for _ in range(50):
+            verifier.judge(JudgeInput("Capital of France?", "It is Paris.", "Paris"))
+        verdict = verifier.judge(JudgeInput("Capital of France?", "It is Lyon.", "Paris"))
+    finally:
+        release.set()
+    assert (verdict.status, verdict.score) == ("fail", pytest.approx(0.1)), verdict
+    assert "The first copy, late." in verdict.details["rationale"][0]
+    assert sorted(copies.values())[-1] == 2
+
+
+def test_without_hedge_quantile_a_slow_request_is_sent_once(server: tuple[str, type[_Handler]]) -> None:
+    endpoint, handler = server
+    behave, copies, release = _stalling_judge(reply_with(lambda p: "The repeat, at once.\nSCORE: 10"))
+    handler.behaviour = staticmethod(behave)
+    verifier = build_verifier("llm_judge", cfg(endpoint, timeout_seconds=60))
+    for _ in range(50):
+        verifier.judge(JudgeInput("Capital of France?", "It is Paris.", "Paris"))
+    lyon = threading.Thread(target=lambda: copies.setdefault(
+        "verdict", int(verifier.judge(JudgeInput("Capital of France?", "It is Lyon.", "Paris")).score * 10)))
+    lyon.start()
+    lyon.join(1.0)  # a hedge would have been sent within ~1 ms (the judge's latencies here)
+    release.set()
+    lyon.join(30)
+    assert copies.pop("verdict") == 1  # the first (only) copy's score
+    assert set(copies.values()) == {1}
