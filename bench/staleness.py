@@ -71,7 +71,8 @@ def main() -> int:
                     report = run_grpo(REPO / "assets/base-models/demo", tmp, config=config, max_steps=args.max_steps,
                                       time_budget_s=1e9, prompts_per_step=p["batch_prompts"],
                                       group_size=p["group_size"], eval_every=spec["eval_every"], seed=seed,
-                                      early_stop_gain=GAIN, train_rows=train, heldout_rows=heldout, lag=lag)
+                                      early_stop_gain=GAIN, train_rows=train, heldout_rows=heldout, lag=lag,
+                                      stop=tuple(spec["sampling"].get("stop", ())))
                 seconds[seed, lag] = time.monotonic() - started
                 steps[seed, lag] = report.steps if report.after >= report.before + GAIN - 1e-9 else None
                 bar.update()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -150,3 +151,22 @@ def test_the_bare_loop_samples_and_evaluates_with_the_runs_stop_strings(demo_dir
     run_grpo(demo_dir, tmp_path, engine=engine, config=TrainerConfig(lr=1e-4, lora_rank=0, seed=0), max_steps=1,
              prompts_per_step=2, group_size=2, eval_every=1, heldout_size=4, stop=("\n",))
     assert len(seen) == 3 and set(seen) == {("\n",)}  # held-out before, the step's samples, held-out after
+
+
+@pytest.mark.parametrize(("argv", "stop"), [([], ("\n",)), (["--stop", "\\n\\n"], ("\n\n",)), (["--stop", ""], ())])
+def test_the_bare_loops_command_stops_at_the_demo_runs_newline_unless_told(monkeypatch: pytest.MonkeyPatch,
+                                                                           capsys: pytest.CaptureFixture[str],
+                                                                           argv: list[str], stop: tuple[str, ...]) -> None:
+    """``python -m workers.policy.demo_loop`` is the issue's bare-loop baseline: by default it samples as the
+    demo run does (``sampling.stop`` a newline), ``--stop`` takes backslash escapes, and '' means none."""
+    from workers.policy import demo_loop
+
+    asked: list[tuple[str, ...]] = []
+
+    def loop(*args: Any, stop: tuple[str, ...] = (), **kwargs: Any) -> demo_loop.LoopReport:  # the arguments only
+        asked.append(stop)
+        return demo_loop.LoopReport(before=0.3, after=0.7, best=0.7, steps=1, seconds=1.0)
+
+    monkeypatch.setattr(demo_loop, "run_grpo", loop)
+    assert demo_loop.main(["--full", *argv]) == 0
+    assert asked == [stop] and "30.0% -> 70.0%" in capsys.readouterr().out

@@ -160,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--threads", type=int, default=1, help="torch CPU threads (1 is fastest for the tiny model)"
     )
+    parser.add_argument("--stop", default="\\n", help="stop string of every generation, with backslash escapes; "
+                        "the demo run's sampling.stop is a newline (default); '' for none")
     args = parser.parse_args(argv)
     import torch
 
@@ -182,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
             time_budget_s=args.budget,
             seed=args.seed,
             progress=show,
+            stop=(args.stop.encode().decode("unicode_escape"),) if args.stop else (),
         )
     print(
         f"held-out exact match {rep.before:.1%} -> {rep.after:.1%} (best {rep.best:.1%}) in {rep.steps} steps, "
