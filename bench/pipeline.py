@@ -157,6 +157,14 @@ class JudgeServer:
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"  # keep-alive, as an OpenAI-compatible server offers
 
+            def setup(self) -> None:
+                super().setup()
+                # http.server writes a reply's headers and its body apart; with Nagle's algorithm on, the body
+                # then waits for the client's ACK of the headers, which Linux delays up to 40 ms: every
+                # judgment took the drawn delay + ~40 ms (a verify p50 of 134 ms against a median of 100).
+                # Servers an OpenAI-compatible API runs on (uvicorn, asyncio) set TCP_NODELAY, as this does.
+                self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 reply = judge.grade(body["messages"][-1]["content"])
