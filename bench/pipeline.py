@@ -466,7 +466,11 @@ def measure(mode: str, args: argparse.Namespace, owner: Any, base_model: Any, do
     stages["stale_share"] = stale / max(1, stale + trained // args.group)
     # Little's law: the staleness bound lets at most `window` groups be neither trained nor dropped, each for
     # `group_s` on average, so at most window / group_s groups a second flow, each with its device seconds
-    window = args.batch * (args.staleness + 2 if mode == "async" else 1)
+    from webapp.runs.loop.tick import limits_for
+    from workers.pipeline.scheduler import open_window
+    from workers.pipeline.spec import RunSpec
+
+    window = open_window(limits_for(RunSpec.model_validate(run.spec)))
     device_group_s = device * args.group / max(trained, 1)
     stages["busy_bound"] = min(1.0, window * device_group_s / stages["group_s"]) if stages["group_s"] else math.nan
     stages["window"] = float(window)

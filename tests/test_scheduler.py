@@ -9,6 +9,7 @@ from workers.pipeline.scheduler import (
     PipelineLimits,
     PipelineState,
     admission_capacity,
+    open_window,
     plan,
     split_by_weight,
 )
@@ -34,6 +35,20 @@ def test_synchronous_mode_admits_one_batch_per_version():
     assert admission_capacity(state(), sync) == 4
     assert admission_capacity(state(accepted=4), sync) == 0  # wait for the train step
     assert admission_capacity(state(version=1, step=1, accepted=4), sync) == 4
+
+
+@pytest.mark.parametrize(("staleness", "ahead", "window"), [(3, True, (3 + 2) * 4), (1, False, (1 + 1) * 4), (0, False, 4)])
+def test_open_window_is_the_most_groups_admission_lets_be_open(staleness, ahead, window):
+    """``open_window`` (bench/pipeline.py's Little's-law bound) is what the admission formula allows: at
+    version 5, with step 6 claimed and training, the groups neither trained nor dropped reach it and no more."""
+    limits = PipelineLimits(batch_groups=4, max_staleness=staleness, rollout_batch=100, max_in_flight=100,
+                            max_steps=1000, admit_ahead=ahead)
+    assert open_window(limits) == window
+    trained, training = 5 * 4, 4  # steps 1-5 trained; step 6's batch is in training (accepted, still open)
+    room = admission_capacity(state(version=5, step=5, accepted=trained + training, training=True), limits)
+    assert training + room == window
+    assert admission_capacity(state(version=5, step=5, accepted=trained + training, running=room, training=True),
+                              limits) == 0
 
 
 def test_backpressure_and_rollout_batch():
@@ -158,9 +173,13 @@ CASES = [
     ("a group still being judged is dropped as soon as it is too stale, and frees its place",
      snap(g(1, "verifying", generated_version=0), g(2, "verifying", generated_version=1)), TICK,
      {"drop": {"staler than 1 version(s) at step 3": [1]}, "admit": {1: 3}}),  # (1+2+1)*2 - (4 trained + 1)
-    ("a too stale group whose judge is gone is dropped, not judged again",
-     snap(g(1, "verifying", generated_version=0, holder_gone="sandbox@a stopped"), recovering=True), TICK,
-     {"drop": {"staler than 1 version(s) at step 3": [1]}, "reverify": []}),
+    ("a too stale group whose judge is gone is dropped, not judged again nor counted as stranded",
+     snap(g(1, "verifying", generated_version=0, holder_gone="sandbox@a stopped"),
+          g(2, "verifying", generated_version=2, holder_gone="sandbox@a stopped"), recovering=True), TICK,
+     {"drop": {"staler than 1 version(s) at step 3": [1]}, "reverify": [2], "why": {"sandbox@a stopped": 1}}),
+    ("a too stale group stranded too often is dropped as too stale (it could never be trained)",
+     snap(g(1, "verifying", generated_version=0, age_s=500.0, attempt=3), recovering=True), TICK,
+     {"drop": {"staler than 1 version(s) at step 3": [1]}, "why": {}}),
     ("the last step trained: complete, dropping what is left",
      snap(g(7, "verifying"), step=10, version=10, trained=20), TICK,
      {"complete": "reached max_steps=10", "drop": {"run completed before it was trained": [7]}}),
