@@ -35,7 +35,9 @@ is done (the engine and trainer are loaded by then) and lasts ``--seconds``:
   and of it waiting for a rollout task and verifying; the *in-flight window* (the groups the staleness
   bound lets be neither trained nor dropped: (max_staleness + 2) x B in async mode, B in sync mode) and
   the *GPU-busy bound* it implies by Little's law (window x device seconds a group / a group's seconds);
-  and the share of groups dropped as too stale (overtaken while the judge's tail held them).
+  and the share of groups dropped as too stale (overtaken while the judge's tail held them);
+* how busy the device's core(s) and the other core(s) were over the window (``/proc/stat``): on a CPU
+  "device", every other stage shares the rest of the machine.
 
 ``--base-model DIR`` runs another model with the demo's tokenizer and task format: ``bench/widen.py`` makes
 the demo model wider with zeros (the same function, more device work a trajectory), to see the pipeline
@@ -240,6 +242,8 @@ class Processes:
     def __init__(self, workdir: Path) -> None:
         self.workdir = workdir
         self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
+        self.device: frozenset[int] = frozenset()
+        """The CPUs kept for the device process (none when it shares them all)."""
 
     def spawn(self, name: str, argv: list[str], env: dict[str, str], nice: int = 0,
               cpus: frozenset[int] | None = None) -> None:
@@ -412,7 +416,7 @@ def measure(mode: str, args: argparse.Namespace, owner: Any, base_model: Any, do
     t0, wall0 = timezone.now(), time.monotonic()
     step0 = Run.objects.get(pk=run.pk).step
     beat0 = gpu_heartbeat()
-    cpu0, machine0 = procs.cpu_seconds(), machine_cpu()
+    cpu0, machine0, cores0 = procs.cpu_seconds(), machine_cpu(), core_busy()
     while (left := args.seconds - (time.monotonic() - wall0)) > 0:
         procs.check()
         time.sleep(min(1.0, left))
@@ -422,10 +426,15 @@ def measure(mode: str, args: argparse.Namespace, owner: Any, base_model: Any, do
     t1 = timezone.now()
     seconds = (t1 - t0).total_seconds()
     beat1 = gpu_heartbeat()
-    cpu1, machine1 = procs.cpu_seconds(), machine_cpu()
+    cpu1, machine1, cores1 = procs.cpu_seconds(), machine_cpu(), core_busy()
     cpu = {name: (cpu1[name] - cpu0.get(name, 0.0)) / seconds for name in cpu1}
     ours = sum(cpu.values())
     cpu["others"] = max(0.0, (machine1 - machine0) / seconds - ours)
+    # how busy the device's cores and the others were: when the others are full, every stage but the device
+    # waits for a core, and the device for work
+    busy = {n: (cores1[n] - cores0.get(n, 0.0)) / seconds for n in cores1}
+    on_device = [busy[n] for n in busy if n in procs.device]
+    off_device = [busy[n] for n in busy if n not in procs.device]
     run = Run.objects.get(pk=run.pk)
     step1, version = run.step, run.latest_version
     do_cancel_run(run, reason="benchmark window over")
@@ -477,6 +486,8 @@ def measure(mode: str, args: argparse.Namespace, owner: Any, base_model: Any, do
     return {
         **stages,
         **{f"cpu_{name}": value for name, value in cpu.items()},
+        "core_device": statistics.fmean(on_device) if on_device else math.nan,
+        "core_rest": statistics.fmean(off_device) if off_device else math.nan,
         "device_ms": 1000 * device / max(trained, 1),
         "device_cpu_ms": 1000 * device_cpu / max(trained, 1),
         "traj_s": trained / seconds,
@@ -590,6 +601,17 @@ def ensure_postgres_database(url: str) -> None:
         print(f"created the PostgreSQL database {name!r}", file=sys.stderr)
 
 
+def core_busy() -> dict[int, float]:
+    """CPU seconds each core has spent busy since boot (``cpuN`` lines of /proc/stat)."""
+    out = {}
+    for line in Path("/proc/stat").read_text().splitlines():
+        name, *values = line.split()
+        if name.startswith("cpu") and name[3:].isdigit():
+            fields = [int(x) for x in values[:8]]
+            out[int(name[3:])] = (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+    return out
+
+
 def machine_cpu() -> float:
     """CPU seconds the whole machine has spent busy since boot (all cores, from /proc/stat)."""
     fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
@@ -651,6 +673,7 @@ def main(argv: list[str] | None = None) -> int:
             os.environ["TEMPER_ENVIRONMENTS"] = ",".join(x for x in (registered, TOOL_ENVIRONMENT) if x)
     procs = Processes(workdir)
     device = device_cpus()
+    procs.device = device or frozenset()
     if device:  # this process (the judge's threads) runs beside the device too
         os.sched_setaffinity(0, set(os.sched_getaffinity(0)) - device)
     if "REDIS_URL" not in os.environ:
@@ -706,9 +729,11 @@ def main(argv: list[str] | None = None) -> int:
             ("  waiting for a rollout", "admitted_s", "{:.2f}"), ("  verifying", "verifying_s", "{:.2f}"),
             ("  rollout, batch, train", "rest_s", "{:.2f}"), ("in-flight window (groups)", "window", "{:.0f}"),
             ("GPU-busy bound (window)", "busy_bound", "{:.3f}"),
-            ("groups dropped too stale", "stale_share", "{:.3f}")]
+            ("groups dropped too stale", "stale_share", "{:.3f}"),
+            ("busy: the device's core(s)", "core_device", "{:.2f}"),
+            ("busy: the other core(s)", "core_rest", "{:.2f}")]
     print_table(rows, modes, results)
-    shown = ("traj_s", "gpu_busy", "heldout", "group_s", "busy_bound", "stale_share")
+    shown = ("traj_s", "gpu_busy", "heldout", "group_s", "busy_bound", "stale_share", "core_rest")
     out = {f"{m}_{k}": v for m, r in results.items() for k, v in r.items() if k in shown}
     if both:
         a, s = results["async"], results["sync"]
