@@ -36,6 +36,8 @@ is done (the engine and trainer are loaded by then) and lasts ``--seconds``:
   bound lets be neither trained nor dropped: (max_staleness + 2) x B in async mode, B in sync mode) and
   the *GPU-busy bound* it implies by Little's law (window x device seconds a group / a group's seconds);
   and the share of groups dropped as too stale (overtaken while the judge's tail held them);
+* the device's idle time, by what it waited for: a rollout (generation handed to it) or a train step (a
+  batch verified, claimed and read), from the device process's log of its requests;
 * how busy the device's core(s) and the other core(s) were over the window (``/proc/stat``): on a CPU
   "device", every other stage shares the rest of the machine.
 
@@ -84,6 +86,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -466,6 +469,7 @@ def measure(mode: str, args: argparse.Namespace, owner: Any, base_model: Any, do
         time.sleep(0.2)
     time.sleep(1.0)
     device, device_cpu = device_seconds(procs.workdir / "profile", t0.timestamp(), t1.timestamp())
+    idle = device_idle(procs.workdir / "profile", t0.timestamp(), t1.timestamp())
     from workers.pipeline.scheduler import STALE
 
     stages = group_times(run, step0, step1)
@@ -486,6 +490,7 @@ def measure(mode: str, args: argparse.Namespace, owner: Any, base_model: Any, do
     return {
         **stages,
         **{f"cpu_{name}": value for name, value in cpu.items()},
+        **idle,
         "core_device": statistics.fmean(on_device) if on_device else math.nan,
         "core_rest": statistics.fmean(off_device) if off_device else math.nan,
         "device_ms": 1000 * device / max(trained, 1),
@@ -536,6 +541,22 @@ def device_seconds(profile: Path, start: float, end: float) -> tuple[float, floa
                 wall += t.get("device", 0.0) * share
                 cpu += t.get("device_cpu", 0.0) * share
     return wall, cpu
+
+
+def device_idle(profile: Path, start: float, end: float) -> dict[str, float]:
+    """The device's idle time between ``start`` and ``end``, as shares of the window, by what ended it: a
+    rollout (the device waited for generation to be handed to it: after a train step, for the rollout of the
+    prompts admitted while it trained) or a train step (it waited for a batch to be verified, claimed and
+    read). From the device process's log of its requests (``device-<pid>.jsonl``: each one's end and
+    seconds)."""
+    spans = sorted((r["end"] - r["seconds"], r["end"], r["method"]) for path in profile.glob("device-*.jsonl")
+                   for r in map(json.loads, path.read_text().splitlines())
+                   if r.get("method") in ("rollout", "train") and start < r["end"] <= end)
+    idle = {"rollout": 0.0, "train": 0.0}
+    for (_, ended, _), (began, _, method) in itertools.pairwise(spans):
+        idle[method] += max(0.0, began - ended)
+    seconds = max(1e-9, end - start)
+    return {"idle_before_rollout": idle["rollout"] / seconds, "idle_before_train": idle["train"] / seconds}
 
 
 _TASK_END = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) INFO celery\.app\.trace: Task "
@@ -730,6 +751,8 @@ def main(argv: list[str] | None = None) -> int:
             ("  rollout, batch, train", "rest_s", "{:.2f}"), ("in-flight window (groups)", "window", "{:.0f}"),
             ("GPU-busy bound (window)", "busy_bound", "{:.3f}"),
             ("groups dropped too stale", "stale_share", "{:.3f}"),
+            ("device idle, then a rollout", "idle_before_rollout", "{:.3f}"),
+            ("device idle, then a train", "idle_before_train", "{:.3f}"),
             ("busy: the device's core(s)", "core_device", "{:.2f}"),
             ("busy: the other core(s)", "core_rest", "{:.2f}")]
     print_table(rows, modes, results)
