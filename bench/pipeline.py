@@ -13,8 +13,9 @@ The slow verifier is an ``llm_judge`` verifier whose OpenAI-compatible endpoint 
 script: each request waits a heavy-tailed delay (lognormal, median 100 ms, sigma 1: p99 ~1 s, capped at
 5 s), as a remote judge model does, then grades the answer line against the reference exactly (so its
 verdicts equal the demo's exact-match verifier). A rollout batch's samples are sent to the judge at once.
-``--judge-hedge Q`` sets the verifier's ``hedge_quantile`` (hedged requests); the workload line then shows
-the requests a judgment cost (the judge tells a repeat by its nonce) and the most open at once.
+``--judge-hedge Q`` sets the verifier's ``hedge_quantile`` (hedged requests). The workload line shows the
+requests a judgment cost (the judge tells a repeat by its nonce: hedges and retries alike) and the most
+open at once.
 
 Each mode gets a fresh run with the demo run's spec, except ``pipeline.mode`` (async with
 ``max_staleness`` 3) and no evaluation inside the loop. The window opens when the run's first train step

@@ -153,7 +153,8 @@ def test_the_bare_loop_samples_and_evaluates_with_the_runs_stop_strings(demo_dir
     assert len(seen) == 3 and set(seen) == {("\n",)}  # held-out before, the step's samples, held-out after
 
 
-@pytest.mark.parametrize(("argv", "stop"), [([], ("\n",)), (["--stop", "\\n\\n"], ("\n\n",)), (["--stop", ""], ())])
+@pytest.mark.parametrize(("argv", "stop"), [([], ("\n",)), (["--stop", "\\n\\n"], ("\n\n",)), (["--stop", ""], ()),
+                                            (["--stop", "。\\n"], ("。\n",))])
 def test_the_bare_loops_command_stops_at_the_demo_runs_newline_unless_told(monkeypatch: pytest.MonkeyPatch,
                                                                            capsys: pytest.CaptureFixture[str],
                                                                            argv: list[str], stop: tuple[str, ...]) -> None:

@@ -20,6 +20,16 @@ from workers.verifiers.llm_judge import MASTER_KEYS, parse_judge_reply
 RUBRIC = "The response must name the capital of the country asked about."
 
 
+@pytest.fixture(autouse=True)
+def _fresh_latencies() -> Iterator[None]:
+    """Each test's judge starts with no latencies seen (a later server may get an earlier one's port)."""
+    from workers.verifiers import llm_judge
+
+    llm_judge._latencies.clear()
+    yield
+    llm_judge._latencies.clear()
+
+
 def careful_judge(prompt: str) -> str:
     """A deterministic stand-in for a decent judge model: reads the reference and the tagged response."""
     nonce = re.search(r"<response-([0-9a-f]+)>", prompt)
@@ -389,3 +399,38 @@ def test_without_hedge_quantile_a_slow_request_is_sent_once(server: tuple[str, t
     lyon.join(30)
     assert copies.pop("verdict") == 1  # the first (only) copy's score
     assert set(copies.values()) == {1}
+
+
+def test_a_request_queued_on_our_side_is_not_hedged_and_a_late_repeat_is_not_sent(
+        server: tuple[str, type[_Handler]]) -> None:
+    """The hedging delay counts from when a request holds an endpoint slot: with the only slot taken by a
+    stalled judgment, the next one waits its turn without being sent twice; and a repeat that is still
+    waiting for a slot when its first copy answers is dropped (``NOT_SENT``), never sent."""
+    from workers.verifiers import llm_judge
+
+    endpoint, handler = server
+    behave, copies, release = _stalling_judge(reply_with(lambda p: "The repeat.\nSCORE: 10"))
+    handler.behaviour = staticmethod(behave)
+    verifier = build_verifier("llm_judge", cfg(endpoint, hedge_quantile=0.9, max_concurrency=1, timeout_seconds=60))
+    for _ in range(50):
+        verifier.judge(JudgeInput("Capital of France?", "It is Paris.", "Paris"))
+    hedged = llm_judge.hedged_requests
+    verdicts: dict[str, Any] = {}
+    lyon = threading.Thread(target=lambda: verdicts.setdefault(
+        "lyon", verifier.judge(JudgeInput("Capital of France?", "It is Lyon.", "Paris"))))
+    lyon.start()
+    for _ in range(3000):  # the stalled first copy holds the one slot; its repeat waits for it
+        if llm_judge.hedged_requests > hedged:
+            break
+        time.sleep(0.01)
+    assert llm_judge.hedged_requests == hedged + 1
+    paris = threading.Thread(target=lambda: verdicts.setdefault(
+        "paris", verifier.judge(JudgeInput("Capital of Spain?", "It is Madrid.", "Madrid"))))
+    paris.start()
+    paris.join(0.5)  # queued behind the slot 0.5 s, far past the judge's p90 of ~1 ms: still no repeat of it
+    assert llm_judge.hedged_requests == hedged + 1 and "paris" not in verdicts
+    release.set()  # the first Lyon copy answers (score 1); its repeat, still without a slot, is not sent
+    lyon.join(30)
+    paris.join(30)
+    assert verdicts["lyon"].score == pytest.approx(0.1) and verdicts["paris"].status == "pass"
+    assert set(copies.values()) == {1}  # the Lyon repeat never reached the judge, nor did a repeat of Madrid

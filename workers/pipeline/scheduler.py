@@ -32,7 +32,8 @@ a group is dropped after ``max_attempts``. A train claim is re-sent for the same
 
 **Staleness**: groups generated more than ``max_staleness`` versions before the newest are dropped before
 anything is counted (a group too stale to train must not count towards a batch), ready ones and those still
-being judged alike. The admission bound counts groups, not versions: it keeps the pipeline's groups within
+being judged alike, and before recovery (which neither hands them out again nor counts them); a pausing run
+drops them too rather than wait for them. The admission bound counts groups, not versions: it keeps the pipeline's groups within
 ``max_staleness`` versions of each other only while they are trained in the order they were generated. A
 group whose judging is slow (a heavy-tailed judge, a sandbox's tail) is overtaken by later ones while the
 versions move on, and is dropped; ``bench/pipeline.py`` counts these (``stale_share``).
@@ -327,18 +328,20 @@ def decide(snap: RunSnapshot, limits: PipelineLimits) -> Tick:
     # only grow, so it could never be trained, and meanwhile it held a place under the staleness bound (a
     # judge's slow tail held such groups ~1.7 s in bench/pipeline.py: ~13 of its 80 places). Decided before
     # recovery, which neither hands such a group out again nor counts it among the stranded.
+    # (A pausing run drops them too: its pause would otherwise wait for judging that can come to nothing.)
     stale = [g.id for g in snap.groups if g.status in ("verifying", "ready") and g.generated_version is not None
-             and g.generated_version < snap.version - limits.max_staleness] if snap.status == "running" else []
+             and g.generated_version < snap.version - limits.max_staleness
+             ] if snap.status in ("running", "pausing") else []
     dropped = _recover(snap, limits, tick, set(stale)) if snap.recovering else set()
+    if stale:
+        tick.drop[f"{STALE} {limits.max_staleness} version(s) at step {snap.step + 1}"] = stale
+    gone = dropped | set(stale)
     if snap.status == "pausing":
-        in_flight = [g for g in snap.groups if g.id not in dropped and g.status in (*IN_FLIGHT, "training")]
+        in_flight = [g for g in snap.groups if g.id not in gone and g.status in (*IN_FLIGHT, "training")]
         tick.mark_paused = not in_flight and snap.train_claim is None
         return tick
     if snap.status != "running":
         return tick
-    if stale:
-        tick.drop[f"{STALE} {limits.max_staleness} version(s) at step {snap.step + 1}"] = stale
-    gone = dropped | set(stale)
     live = [g for g in snap.groups if g.id not in gone]
     by_status: dict[str, int] = {}
     for g in live:

@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
             time_budget_s=args.budget,
             seed=args.seed,
             progress=show,
-            stop=(args.stop.encode().decode("unicode_escape"),) if args.stop else (),
+            stop=(args.stop.encode("latin-1", "backslashreplace").decode("unicode_escape"),) if args.stop else (),
         )
     print(
         f"held-out exact match {rep.before:.1%} -> {rep.after:.1%} (best {rep.best:.1%}) in {rep.steps} steps, "

@@ -117,7 +117,7 @@ class LLMJudgeConfig(VerifierConfig):
     hedge_quantile: float | None = Field(
         default=None, ge=0.5, le=0.999,
         description="Hedged requests: a request open longer than this quantile of the endpoint's recent latencies "
-                    "is sent again and the first reply wins (0.95 sends at most ~5 % more requests). For judges "
+                    "is sent again and the first reply wins (0.95 sends ~5 % more requests). For judges "
                     "whose latency is not fixed by the input (a shared server's queueing); off when empty.")
 
     @model_validator(mode="after")
@@ -223,6 +223,10 @@ def _forget_hedging() -> None:  # a forked child has none of its parent's thread
 
 
 os.register_at_fork(after_in_child=_forget_hedging)
+
+
+NOT_SENT = (0, b"")
+"""What a hedge copy returns when the other copy answered before it got an endpoint slot."""
 
 
 class JudgeUnavailable(Exception):
@@ -358,45 +362,71 @@ class LLMJudgeVerifier(BaseVerifier[LLMJudgeConfig]):
             return content
         raise JudgeUnavailable(last)
 
-    def _post(self, url: str, body: bytes, headers: dict[str, str]) -> tuple[int, bytes]:
-        """One request, in one of the endpoint's slots; an answered one's latency is kept for hedging."""
+    def _post(self, url: str, body: bytes, headers: dict[str, str], sending: threading.Event | None = None,
+              answered: threading.Event | None = None) -> tuple[int, bytes]:
+        """One request, in one of the endpoint's slots; an answered one's latency is kept for hedging.
+        ``sending`` is set once it holds a slot (the hedging delay counts from then: a request queued on our
+        side is not a slow judge). ``answered`` is shared by a request's copies: set, still in the slot, by
+        the first to be answered, and a copy that gets its slot after that is not sent (``NOT_SENT``)."""
         c = self.config
         assert c.endpoint is not None
         with endpoint_slots(c.endpoint, c.max_concurrency):
+            if answered is not None and answered.is_set():
+                return NOT_SENT
+            if sending is not None:
+                sending.set()
             started = time.monotonic()
             status, data = post_json(url, body, headers, c.timeout_seconds)
             if status < 400:
                 endpoint_latencies(c.endpoint, c.model).add(time.monotonic() - started)
+                if answered is not None:
+                    answered.set()  # before the slot is free: a copy waiting for it must see this
         return status, data
 
     def _hedged(self, url: str, body: bytes, headers: dict[str, str]) -> tuple[int, bytes]:
-        """The request, sent again when it has been open longer than ``hedge_quantile`` of the endpoint's
-        recent latencies; the first answer wins (an error waits for the other copy). *Why:* a group's verdict
-        waits for the slowest of its G samples, so one slow reply in ~G/(1-q) holds a group back; in
-        ``bench/pipeline.py`` (lognormal, sigma 1) 0.95 cuts the mean wait for the slowest of 8 from 0.51 to
-        0.42 s and a wait over 1.1 s from 6 % of groups to 0.2 %, for 5 % more requests. The copy that loses
-        runs to its end on its thread (the judge has the work anyway); its latency still counts."""
+        """The request, sent again when it has been open at the judge longer than ``hedge_quantile`` of the
+        endpoint's recent latencies; the first answer wins (an error waits for the other copy). *Why:* a
+        group's verdict waits for the slowest of its G samples, so one slow reply in ~G/(1-q) holds a group
+        back; in ``bench/pipeline.py`` (lognormal, sigma 1) 0.95 cuts the mean wait for the slowest of 8 from
+        0.51 to 0.42 s and a wait over 1.1 s from 6 % of groups to 0.2 % (a simulation), for 5 % more
+        requests. The delay counts from when the first copy holds an endpoint slot, and a repeat still
+        waiting for one when the first answers is not sent; one already sent runs to its end on its thread
+        (its latency still counts)."""
         global hedged_requests
         c = self.config
         assert c.endpoint is not None
         after = endpoint_latencies(c.endpoint, c.model).quantile(c.hedge_quantile) if c.hedge_quantile else None
         if after is None:
             return self._post(url, body, headers)
-        pool = hedge_pool()
-        copies: list[Future[tuple[int, bytes]]] = [pool.submit(self._post, url, body, headers)]
+        sending, answered = threading.Event(), threading.Event()
+        try:
+            pool = hedge_pool()
+            copies: list[Future[tuple[int, bytes]]] = [pool.submit(self._post, url, body, headers, sending,
+                                                                   answered)]
+        except RuntimeError:  # the interpreter is shutting down: no new threads; ask on this one
+            return self._post(url, body, headers)
+        while not sending.wait(0.05) and not copies[0].done():
+            pass  # queued on our side (every slot or hedging thread taken): not yet the judge's time
         done, _ = wait(copies, timeout=after)
         if not done:
-            copies.append(pool.submit(self._post, url, body, headers))
-            with _slots_lock:
-                hedged_requests += 1
-        while True:
+            with contextlib.suppress(RuntimeError):
+                copies.append(pool.submit(self._post, url, body, headers, None, answered))
+                with _slots_lock:
+                    hedged_requests += 1
+        failed: list[Future[tuple[int, bytes]]] = []
+        while copies:
             done, _ = wait(copies, return_when=FIRST_COMPLETED)
             for copy in done:
                 copies.remove(copy)
-                if copy.exception() is None and (copy.result()[0] < 400 or not copies):
-                    return copy.result()
-                if not copies:
-                    return copy.result()  # the last copy's error (raises it)
+                if copy.exception() is None and copy.result() != NOT_SENT:
+                    if copy.result()[0] < 400:
+                        return copy.result()
+                    failed.insert(0, copy)  # an HTTP error says more than a broken connection
+                elif copy.exception() is not None:
+                    failed.append(copy)
+        if not failed:
+            raise OSError("no copy of the request was sent")
+        return failed[0].result()  # every copy failed: the most telling error (raises an exception's)
 
     def ask(self, prompt: str) -> str:
         if self._generate is not None:
