@@ -420,7 +420,7 @@ def measure(mode: str, args: argparse.Namespace, owner: Any, base_model: Any, do
     t0, wall0 = timezone.now(), time.monotonic()
     step0 = Run.objects.get(pk=run.pk).step
     beat0 = gpu_heartbeat()
-    cpu0, machine0, cores0 = procs.cpu_seconds(), machine_cpu(), core_busy()
+    cpu0, cores0 = procs.cpu_seconds(), core_busy()
     while (left := args.seconds - (time.monotonic() - wall0)) > 0:
         procs.check()
         time.sleep(min(1.0, left))
@@ -430,13 +430,13 @@ def measure(mode: str, args: argparse.Namespace, owner: Any, base_model: Any, do
     t1 = timezone.now()
     seconds = (t1 - t0).total_seconds()
     beat1 = gpu_heartbeat()
-    cpu1, machine1, cores1 = procs.cpu_seconds(), machine_cpu(), core_busy()
+    cpu1, cores1 = procs.cpu_seconds(), core_busy()
     cpu = {name: (cpu1[name] - cpu0.get(name, 0.0)) / seconds for name in cpu1}
     ours = sum(cpu.values())
-    cpu["others"] = max(0.0, (machine1 - machine0) / seconds - ours)
-    # how busy the device's cores and the others were: when the others are full, every stage but the device
+    # how busy each core was: when the cores other than the device's are full, every stage but the device
     # waits for a core, and the device for work
     busy = {n: (cores1[n] - cores0.get(n, 0.0)) / seconds for n in cores1}
+    cpu["others"] = max(0.0, sum(busy.values()) - ours)  # what the rest of the machine did meanwhile
     on_device = [busy[n] for n in busy if n in procs.device]
     off_device = [busy[n] for n in busy if n not in procs.device]
     run = Run.objects.get(pk=run.pk)
@@ -624,7 +624,8 @@ def ensure_postgres_database(url: str) -> None:
 
 
 def core_busy() -> dict[int, float]:
-    """CPU seconds each core has spent busy since boot (``cpuN`` lines of /proc/stat)."""
+    """CPU seconds each core has spent busy since boot (``cpuN`` lines of /proc/stat: all but idle and
+    iowait); the whole machine's is their sum."""
     out = {}
     for line in Path("/proc/stat").read_text().splitlines():
         name, *values = line.split()
@@ -632,13 +633,6 @@ def core_busy() -> dict[int, float]:
             fields = [int(x) for x in values[:8]]
             out[int(name[3:])] = (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
     return out
-
-
-def machine_cpu() -> float:
-    """CPU seconds the whole machine has spent busy since boot (all cores, from /proc/stat)."""
-    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    idle = fields[3] + fields[4]
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
 # ----------------------------------------------------------------------------- main

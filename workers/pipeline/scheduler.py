@@ -33,10 +33,10 @@ a group is dropped after ``max_attempts``. A train claim is re-sent for the same
 **Staleness**: groups generated more than ``max_staleness`` versions before the newest are dropped before
 anything is counted (a group too stale to train must not count towards a batch), ready ones and those still
 being judged alike, and before recovery (which neither hands them out again nor counts them); a pausing run
-drops them too rather than wait for them. The admission bound counts groups, not versions: it keeps the pipeline's groups within
-``max_staleness`` versions of each other only while they are trained in the order they were generated. A
-group whose judging is slow (a heavy-tailed judge, a sandbox's tail) is overtaken by later ones while the
-versions move on, and is dropped; ``bench/pipeline.py`` counts these (``stale_share``).
+drops them too rather than wait for them. The admission bound counts groups, not versions: it keeps the
+pipeline's groups within ``max_staleness`` versions of each other only while they are trained in the order
+they were generated. A group whose judging is slow (a heavy-tailed judge, a sandbox's tail) is overtaken by
+later ones while the versions move on, and is dropped; ``bench/pipeline.py`` counts these (``stale_share``).
 """
 
 from __future__ import annotations

@@ -199,7 +199,7 @@ class Latencies:
 _latencies: dict[tuple[str, str | None], Latencies] = {}
 _hedge_pool: ThreadPoolExecutor | None = None
 hedged_requests = 0
-"""Requests this process sent again (hedges); read by tests and the verify worker's profile."""
+"""Repeats this process started (hedges; one whose first copy answered before it got a slot is not sent)."""
 
 
 def endpoint_latencies(endpoint: str, model: str | None) -> Latencies:
@@ -364,7 +364,7 @@ class LLMJudgeVerifier(BaseVerifier[LLMJudgeConfig]):
 
     def _post(self, url: str, body: bytes, headers: dict[str, str], sending: threading.Event | None = None,
               answered: threading.Event | None = None) -> tuple[int, bytes]:
-        """One request, in one of the endpoint's slots; an answered one's latency is kept for hedging.
+        """One request, in one of the endpoint's slots; with hedging on, an answered one's latency is kept.
         ``sending`` is set once it holds a slot (the hedging delay counts from then: a request queued on our
         side is not a slow judge). ``answered`` is shared by a request's copies: set, still in the slot, by
         the first to be answered, and a copy that gets its slot after that is not sent (``NOT_SENT``)."""
@@ -377,7 +377,7 @@ class LLMJudgeVerifier(BaseVerifier[LLMJudgeConfig]):
                 sending.set()
             started = time.monotonic()
             status, data = post_json(url, body, headers, c.timeout_seconds)
-            if status < 400:
+            if status < 400 and c.hedge_quantile:  # (without hedging, nothing reads them)
                 endpoint_latencies(c.endpoint, c.model).add(time.monotonic() - started)
                 if answered is not None:
                     answered.set()  # before the slot is free: a copy waiting for it must see this
