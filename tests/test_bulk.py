@@ -44,13 +44,15 @@ def test_verdicts_and_sample_facts_are_written_once(user):
     run = factories.run(user)
     insert_ignoring_conflicts(Trajectory, [sample(run, "g", i) for i in range(3)])
     rows = list(Trajectory.objects.filter(run=run).order_by("sample_index"))
-    record_verdicts([(rows[0], Verdict(1.0, "pass", details={"why": ["exact"]}, latency_ms=0.5)),
-                     (rows[1], Verdict(None, "invalid", reason="no answer line"))])
-    record_verdicts([(rows[0], Verdict(0.0, "fail"))])  # a redelivery changes nothing
+    # how many were stored (conclude reads a group's verdicts back only when some were not)
+    assert record_verdicts([(rows[0], Verdict(1.0, "pass", details={"why": ["exact"]}, latency_ms=0.5)),
+                            (rows[1], Verdict(None, "invalid", reason="no answer line"))]) == 2
+    assert record_verdicts([(rows[0], Verdict(0.0, "fail"))]) == 0  # a redelivery changes nothing
+    assert record_verdicts([(rows[1], Verdict(0.0, "fail")), (rows[2], Verdict(1.0, "pass"))]) == 1
     record_sample_facts({rows[0].pk: (0.75, True), rows[1].pk: (None, None)})
     got = {t.sample_index: t for t in Trajectory.objects.filter(run=run)}
     assert (got[0].verdict, got[0].reward, got[0].verifier_details, got[0].verify_latency_ms) == (
         "pass", 1.0, {"why": ["exact"]}, 0.5)
     assert (got[1].verdict, got[1].reward, got[1].verdict_reason) == ("invalid", None, "no answer line")
-    assert got[2].verdict == "pending"
+    assert (got[2].verdict, got[2].reward) == ("pass", 1.0)
     assert (got[0].advantage, got[0].clipped, got[1].advantage, got[1].clipped) == (0.75, True, None, None)

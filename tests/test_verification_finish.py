@@ -56,3 +56,61 @@ def test_a_group_is_announced_once_when_its_last_sample_is_judged():
     groups["b"][1].set_result("pass")
     groups["a"][1].set_exception(RuntimeError("judge thread died"))  # done, too: its result raises later
     assert announced == ["empty", "b", "a"]
+
+
+def _judged_group(user, completions: list[str]):
+    """A paused run's group of samples waiting for their verdicts (exact match against "3")."""
+    from webapp.catalog.models import Task
+    from webapp.common.bulk import insert_ignoring_conflicts
+    from webapp.runs.models import Run, Trajectory
+
+    run = factories.run(user)
+    Run.objects.filter(pk=run.pk).update(status="paused")  # its next step is taken and does nothing
+    domain = run.run_domains.get().domain
+    task = Task.objects.create(domain=domain, prompt="1+2=", reference={"answer": "3"})
+    group = PromptGroup.objects.create(run=run, key="g", status="verifying", domain=domain, task=task, holder="w1")
+    insert_ignoring_conflicts(Trajectory, [
+        {"run_id": run.pk, "group_key": "g", "sample_index": i, "version": 0, "prompt": "1+2=", "completion": c,
+         "prompt_token_ids": [1], "completion_token_ids": [2], "behaviour_logprobs": [-0.5], "finish_reason": "stop",
+         "turns": [], "stop_reason": ""} for i, c in enumerate(completions)])
+    return run, group
+
+
+@pytest.mark.django_db
+def test_a_judged_group_is_finished_from_the_verdicts_it_wrote(user):
+    """``verify_groups``: the group's outcome comes from the verdicts this delivery stored, with the samples an
+    earlier delivery judged counted in (one was judged invalid before: the group has one invalid sample)."""
+    from webapp.runs.loop.verification import verify_groups
+    from webapp.runs.models import Trajectory
+
+    run, group = _judged_group(user, ["3", "4", "3"])
+    Trajectory.objects.filter(run=run, sample_index=2).update(verdict="invalid", verdict_reason="judged before")
+    assert verify_groups([group.pk], holder="w2") == ["ready"]
+    group.refresh_from_db()
+    assert (group.status, group.invalid, group.retry_pending, group.holder) == ("ready", 1, True, "")
+    assert group.verify_s is not None and group.verify_wait_s is not None
+    assert list(Trajectory.objects.filter(run=run).order_by("sample_index").values_list("verdict", "reward")) == [
+        ("pass", 1.0), ("fail", 0.0), ("invalid", None)]
+
+
+@pytest.mark.django_db
+def test_a_verdict_stored_first_by_another_delivery_is_the_one_the_outcome_counts(user, monkeypatch):
+    """Another delivery stores a sample's verdict between this one's read and its write: this one's verdict
+    for it is not stored, and the group's outcome is read back from the database — the invalid verdict
+    stored first counts, not this delivery's pass."""
+    from webapp.runs.loop import verification
+    from webapp.runs.models import Trajectory
+
+    run, group = _judged_group(user, ["3", "3"])
+    real = verification.record_verdicts
+
+    def racing(verdicts):
+        Trajectory.objects.filter(run=run, sample_index=0).update(verdict="invalid", verdict_reason="the other one")
+        return real(verdicts)
+
+    monkeypatch.setattr(verification, "record_verdicts", racing)
+    assert verification.verify_groups([group.pk], holder="w2") == ["ready"]
+    group.refresh_from_db()
+    assert (group.status, group.invalid, group.retry_pending) == ("ready", 1, True)
+    assert list(Trajectory.objects.filter(run=run).order_by("sample_index").values_list("verdict", "reward")) == [
+        ("invalid", None), ("pass", 1.0)]
