@@ -44,7 +44,7 @@ def test_verdicts_and_sample_facts_are_written_once(user):
     run = factories.run(user)
     insert_ignoring_conflicts(Trajectory, [sample(run, "g", i) for i in range(3)])
     rows = list(Trajectory.objects.filter(run=run).order_by("sample_index"))
-    # how many were stored (conclude reads a group's verdicts back only when some were not)
+    # how many were stored: fewer than given when another delivery judged some first
     assert record_verdicts([(rows[0], Verdict(1.0, "pass", details={"why": ["exact"]}, latency_ms=0.5)),
                             (rows[1], Verdict(None, "invalid", reason="no answer line"))]) == 2
     assert record_verdicts([(rows[0], Verdict(0.0, "fail"))]) == 0  # a redelivery changes nothing

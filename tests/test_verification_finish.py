@@ -78,8 +78,8 @@ def _judged_group(user, completions: list[str]):
 
 @pytest.mark.django_db
 def test_a_judged_group_is_finished_from_the_verdicts_it_wrote(user):
-    """``verify_groups``: the group's outcome comes from the verdicts this delivery stored, with the samples an
-    earlier delivery judged counted in (one was judged invalid before: the group has one invalid sample)."""
+    """``verify_groups``: the group's outcome counts the verdicts this delivery stored and those an earlier
+    delivery stored (one sample was judged invalid before: the group has one invalid sample)."""
     from webapp.runs.loop.verification import verify_groups
     from webapp.runs.models import Trajectory
 
@@ -96,8 +96,8 @@ def test_a_judged_group_is_finished_from_the_verdicts_it_wrote(user):
 @pytest.mark.django_db
 def test_a_verdict_stored_first_by_another_delivery_is_the_one_the_outcome_counts(user, monkeypatch):
     """Another delivery stores a sample's verdict between this one's read and its write: this one's verdict
-    for it is not stored, and the group's outcome is read back from the database — the invalid verdict
-    stored first counts, not this delivery's pass."""
+    for it is not stored, and the group's outcome counts the invalid verdict stored first, not this
+    delivery's pass (an outcome taken from what this delivery judged would count the pass)."""
     from webapp.runs.loop import verification
     from webapp.runs.models import Trajectory
 

@@ -132,7 +132,7 @@ def finish(groups: list[tuple[PromptGroup, list[tuple[str, str]]]], max_retries:
     outcomes = {g.pk: o for g, verdicts in groups if (o := outcome(g, max_retries, verdicts)) is not None}
     if not outcomes:
         return {}
-    with transaction.atomic(savepoint=False):  # inside the caller's transaction, as conclude calls it
+    with transaction.atomic():
         # locked where the database can (PostgreSQL): a concurrent delivery waits here, then reads them finished
         verifying = set(PromptGroup.objects.select_for_update().filter(pk__in=list(outcomes), status=G.VERIFYING)
                         .values_list("pk", flat=True))
@@ -277,14 +277,9 @@ def verify_groups(group_ids: list[int], holder: str) -> list[str]:
     PromptGroup.objects.filter(pk__in=[g.pk for g in groups], status=G.VERIFYING).update(holder=holder,
                                                                                        updated_at=now)
     pending: dict[str, list[Trajectory]] = {g.key: [] for g in groups}
-    judged_before: dict[str, list[tuple[str, str]]] = {g.key: [] for g in groups}
-    for t in (Trajectory.objects.filter(run_id=run.pk, group_key__in=list(pending))
-              .only("id", "group_key", "prompt", "completion", "turns", "stop_reason", "verdict", "verdict_reason")
-              .order_by("sample_index")):
-        if t.verdict == VerdictChoice.PENDING:
-            pending[t.group_key].append(t)
-        else:  # judged by an earlier delivery: its verdict counts towards the group's outcome
-            judged_before[t.group_key].append((t.verdict, t.verdict_reason))
+    for t in (Trajectory.objects.filter(run_id=run.pk, group_key__in=list(pending), verdict=VerdictChoice.PENDING)
+              .only("id", "group_key", "prompt", "completion", "turns", "stop_reason").order_by("sample_index")):
+        pending[t.group_key].append(t)
     spec = RunSpec.model_validate(run.spec)
     remote = {g.pk: submit_remote(g, pending[g.key]) for g in groups if judged_remotely(g)}
     judged: list[tuple[PromptGroup, list[tuple[Trajectory, Any]], float]] = []
@@ -295,7 +290,7 @@ def verify_groups(group_ids: list[int], holder: str) -> list[str]:
             judged.append((group, list(zip(rows, judge_samples(group, rows), strict=True)),
                            time.monotonic() - group_started))
     if judged:
-        conclude(run, spec, judged, now, out, judged_before)
+        conclude(run, spec, judged, now, out)
     waiting = {g.pk: g for g in groups if g.pk in remote}
     finished: queue.SimpleQueue[int] = queue.SimpleQueue()
     for gid in waiting:
@@ -306,8 +301,7 @@ def verify_groups(group_ids: list[int], holder: str) -> list[str]:
             done.append(finished.get())
         seconds = time.monotonic() - started
         conclude(run, spec, [(waiting[gid], list(zip(pending[waiting[gid].key], (f.result() for f in remote[gid]),
-                                                      strict=True)), seconds) for gid in done], now, out,
-                 judged_before)
+                                                      strict=True)), seconds) for gid in done], now, out)
         for gid in done:
             del waiting[gid]
     return [out[gid] for gid in group_ids]
@@ -350,35 +344,23 @@ def submit_remote(group: PromptGroup, rows: list[Trajectory]) -> list[Future[Any
 
 
 def conclude(run: Run, spec: RunSpec, judged: list[tuple[PromptGroup, list[tuple[Trajectory, Any]], float]],
-             now: Any, out: dict[int, str], judged_before: dict[str, list[tuple[str, str]]]) -> None:
+             now: Any, out: dict[int, str]) -> None:
     """Write the verdicts of these judged groups (with how long they waited and took), finish each whose
-    samples are all judged, and take the run's next step if that changes what it would be.
-
-    One transaction: the verdicts and the groups' new status are seen together. A group's outcome is read
-    from what this task holds (``judged_before``: its samples judged by an earlier delivery, and the verdicts
-    just written) when every verdict was stored; only when another delivery stored some first are the
-    group's verdicts read back. *Why:* two transactions and a read a wave were ~10 queries, ~100 a rollout
-    batch, and on SQLite each transaction takes the database's one write lock, which the GPU worker's claim
-    and record wait for between two device stretches."""
+    samples are all judged, and take the run's next step if that changes what it would be."""
     table = connection.ops.quote_name(PromptGroup._meta.db_table)
-    verdicts = [v for _, group_verdicts, _ in judged for v in group_verdicts]
     with transaction.atomic():
-        stored = record_verdicts(verdicts)
+        record_verdicts([v for _, verdicts, _ in judged for v in verdicts])
         with connection.cursor() as cursor:  # one prepared statement for every group, as record_verdicts
             cursor.executemany(f"UPDATE {table} SET verify_wait_s = %s, verify_s = %s WHERE id = %s AND verify_s IS NULL",
                                [((now - group.updated_at).total_seconds(), seconds, group.pk)
                                 for group, _, seconds in judged])
-        if stored == len(verdicts):
-            states = {g.key: [*judged_before.get(g.key, []), *((v.status, v.reason or "") for _, v in group_verdicts)]
-                      for g, group_verdicts, _ in judged}
-        else:
-            states = {g.key: [] for g, _, _ in judged}
-            # order_by(): the model's default order (-id) made SQLite walk the run's whole (run, -id) index, a
-            # cost that grew with the run (4.7 ms a group at 11,000 samples); unordered, it reads the groups' rows
-            for key, verdict, reason in (Trajectory.objects.filter(run_id=run.pk, group_key__in=list(states))
-                                         .order_by().values_list("group_key", "verdict", "verdict_reason")):
-                states[key].append((verdict, reason))
-        done = finish([(group, states[group.key]) for group, _, _ in judged], spec.pipeline.invalid_retries)
+    states: dict[str, list[tuple[str, str]]] = {g.key: [] for g, _, _ in judged}
+    # order_by(): the model's default order (-id) made SQLite walk the run's whole (run, -id) index, a cost
+    # that grew with the run (4.7 ms a group at 11,000 samples); unordered, it reads the groups' own rows
+    for key, verdict, reason in (Trajectory.objects.filter(run_id=run.pk, group_key__in=list(states)).order_by()
+                                 .values_list("group_key", "verdict", "verdict_reason")):
+        states[key].append((verdict, reason))
+    done = finish([(group, states[group.key]) for group, _, _ in judged], spec.pipeline.invalid_retries)
     for group, _, _ in judged:
         out[group.pk] = done.get(group.pk, "pending")
     next_step(run.pk, spec, list(done.values()))
