@@ -192,8 +192,14 @@ class JudgeServer:
                 head = await reader.readuntil(b"\r\n\r\n")
                 headers = dict(line.split(":", 1) for line in head.decode("latin-1").split("\r\n")[1:] if ":" in line)
                 fields = {k.strip().lower(): v.strip() for k, v in headers.items()}
-                body = json.loads(await reader.readexactly(int(fields.get("content-length", "0"))))
-                text = body["messages"][-1]["content"]
+                try:
+                    text = json.loads(await reader.readexactly(int(fields.get("content-length", "0"))))["messages"][-1]["content"]
+                except (ValueError, KeyError, IndexError, TypeError) as exc:  # not a chat completion request
+                    out = json.dumps({"error": {"message": f"bad request: {type(exc).__name__}: {exc}"}}).encode()
+                    writer.write(b"HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\n"
+                                 b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(out), out))
+                    await writer.drain()
+                    break
                 reply = self.grade(text)
                 nonce = re.search(r"<response-(\w+)>", text)
                 self.asked.add(nonce.group(1) if nonce else str(len(self.delays)))
