@@ -77,7 +77,7 @@ def _judged_group(user, completions: list[str]):
 
 
 @pytest.mark.django_db
-def test_a_judged_group_is_finished_from_the_verdicts_it_wrote(user):
+def test_a_judged_group_counts_its_own_verdicts_and_an_earlier_deliverys(user):
     """``verify_groups``: the group's outcome counts the verdicts this delivery stored and those an earlier
     delivery stored (one sample was judged invalid before: the group has one invalid sample)."""
     from webapp.runs.loop.verification import verify_groups
