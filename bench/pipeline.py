@@ -190,8 +190,8 @@ class JudgeServer:
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
-                headers = dict(line.split(":", 1) for line in head.decode("latin-1").split("\r\n")[1:] if ":" in line)
-                fields = {k.strip().lower(): v.strip() for k, v in headers.items()}
+                fields = {name.strip().lower(): value.strip() for name, value in (
+                    line.split(":", 1) for line in head.decode("latin-1").split("\r\n")[1:] if ":" in line)}
                 try:
                     text = json.loads(await reader.readexactly(int(fields.get("content-length", "0"))))["messages"][-1]["content"]
                 except (ValueError, KeyError, IndexError, TypeError) as exc:  # not a chat completion request

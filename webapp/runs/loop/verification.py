@@ -91,11 +91,10 @@ def record_verdict(trajectory_id: int, *, status: str, score: float | None, reas
         verify_latency_ms=latency_ms))
 
 
-def record_verdicts(verdicts: list[tuple[Trajectory, Any]]) -> int:
-    """``record_verdict`` for many samples: one prepared statement run for every row (``executemany``).
-    Returns how many were stored: fewer than given when another delivery had judged some first."""
+def record_verdicts(verdicts: list[tuple[Trajectory, Any]]) -> None:
+    """``record_verdict`` for many samples: one prepared statement run for every row (``executemany``)."""
     if not verdicts:
-        return 0
+        return
     details = Trajectory._meta.get_field("verifier_details")
     table = connection.ops.quote_name(Trajectory._meta.db_table)
     columns = ("verdict", "reward", "verdict_reason", "verifier_details", "verify_latency_ms")
@@ -107,7 +106,6 @@ def record_verdicts(verdicts: list[tuple[Trajectory, Any]]) -> int:
     with connection.cursor() as cursor:
         cursor.executemany(f"UPDATE {table} SET {', '.join(f'{c} = %s' for c in columns)} WHERE id = %s AND verdict = %s",
                            rows)
-        return int(cursor.rowcount)  # both drivers sum an executemany's rows (tests/test_bulk.py)
 
 
 def outcome(group: PromptGroup, max_retries: int, verdicts: list[tuple[str, str]]) -> dict[str, Any] | None:
