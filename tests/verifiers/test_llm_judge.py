@@ -260,35 +260,53 @@ def test_calibration_refuses_a_gullible_judge() -> None:
     assert any("hack case(s) passed: master_key" in f for f in report.failures)
 
 
+class _KeepAliveJudge(BaseHTTPRequestHandler):
+    """An HTTP/1.1 judge (connections kept open) that records each connection it is given in ``connections``
+    and answers with ``careful_judge`` through ``reply``, which a test may override."""
+
+    protocol_version = "HTTP/1.1"
+    connections: list[int]
+
+    def setup(self) -> None:
+        super().setup()
+        type(self).connections.append(id(self.connection))
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        prompt = body["messages"][0]["content"]
+        self.reply(json.dumps({"choices": [{"message": {"content": careful_judge(prompt)}}]}).encode(), prompt)
+
+    def reply(self, out: bytes, prompt: str) -> None:
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(out)))
+        self.end_headers()
+        self.wfile.write(out)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def _serve(handler: type[BaseHTTPRequestHandler]) -> tuple[ThreadingHTTPServer, str]:
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    return httpd, f"http://127.0.0.1:{httpd.server_address[1]}/v1"
+
+
 def test_a_keep_alive_judge_is_asked_over_one_connection_per_thread_even_after_it_closes_one():
     """An HTTP/1.1 server keeps the connection open: each of this thread's requests reuses it. When the server
     has closed it meanwhile (its idle timeout), the next request reconnects once, and is answered."""
-    connections: list[int] = []
 
-    class KeepAlive(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
+    class ClosingOne(_KeepAliveJudge):
+        connections: list[int] = []
 
-        def setup(self) -> None:
-            super().setup()
-            connections.append(id(self.connection))
-
-        def do_POST(self) -> None:
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            out = json.dumps({"choices": [{"message": {"content": careful_judge(body["messages"][0]["content"])}}]})
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(out.encode())))
-            self.end_headers()
-            self.wfile.write(out.encode())
-            if body["messages"][0]["content"].count("Madrid"):  # the server closes this one after replying
+        def reply(self, out: bytes, prompt: str) -> None:
+            super().reply(out, prompt)
+            if "Madrid" in prompt:  # the server closes this one after replying
                 self.close_connection = True
 
-        def log_message(self, *args: Any) -> None:
-            pass
-
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), KeepAlive)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    httpd, endpoint = _serve(ClosingOne)
     try:
-        verifier = build_verifier("llm_judge", cfg(f"http://127.0.0.1:{httpd.server_address[1]}/v1"))
+        verifier = build_verifier("llm_judge", cfg(endpoint))
         answers = [("France", "Paris"), ("Japan", "Tokyo"), ("Spain", "Madrid"), ("Italy", "Rome")]
         verdicts = [verifier.judge(JudgeInput(prompt=f"Capital of {c}?", completion=f"It is {a}.", reference=a))
                     for c, a in answers]
@@ -296,7 +314,7 @@ def test_a_keep_alive_judge_is_asked_over_one_connection_per_thread_even_after_i
         httpd.shutdown()
         httpd.server_close()
     assert [v.status for v in verdicts] == ["pass"] * 4, [v.reason for v in verdicts]
-    assert len(connections) == 2  # three requests on the first, the fourth on a new one
+    assert len(ClosingOne.connections) == 2  # three requests on the first, the fourth on a new one
 
 
 def test_latencies_quantile_waits_for_enough_answers_then_follows_them() -> None:
@@ -434,3 +452,44 @@ def test_a_request_queued_on_our_side_is_not_hedged_and_a_late_repeat_is_not_sen
     paris.join(30)
     assert verdicts["lyon"].score == pytest.approx(0.1) and verdicts["paris"].status == "pass"
     assert set(copies.values()) == {1}  # the Lyon repeat never reached the judge, nor did a repeat of Madrid
+
+
+
+def test_a_chunked_reply_is_read_and_its_connection_kept() -> None:
+    """A server may send its reply in chunks (Transfer-Encoding: chunked, as a proxy in front of a judge
+    does): the body is the chunks joined, chunk extensions and trailer fields are skipped, and the
+    connection serves the next request."""
+
+    class Chunked(_KeepAliveJudge):
+        connections: list[int] = []
+
+        def reply(self, out: bytes, prompt: str) -> None:
+            self.send_response(200)
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            for part in (out[: len(out) // 2], out[len(out) // 2 :]):
+                self.wfile.write(b"%x;ext=1\r\n%s\r\n" % (len(part), part))
+            self.wfile.write(b"0\r\nX-Trailer: yes\r\n\r\n")
+
+    httpd, endpoint = _serve(Chunked)
+    try:
+        verifier = build_verifier("llm_judge", cfg(endpoint))
+        verdicts = [verifier.judge(JudgeInput(f"Capital of {c}?", f"It is {said}.", a))
+                    for c, said, a in (("France", "Paris", "Paris"), ("Japan", "Kyoto", "Tokyo"))]
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert [(v.status, v.score) for v in verdicts] == [("pass", 1.0), ("fail", pytest.approx(0.1))], verdicts
+    assert len(Chunked.connections) == 1
+
+
+def test_a_reply_past_the_size_limit_is_not_read_whole(server: tuple[str, type[_Handler]],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    from workers.verifiers import llm_judge
+
+    endpoint, handler = server
+    monkeypatch.setattr(llm_judge, "MAX_REPLY_BYTES", 200)
+    handler.behaviour = staticmethod(reply_with(lambda p: "x" * 400 + "\nSCORE: 10"))
+    verdict = build_verifier("llm_judge", cfg(endpoint)).judge(JudgeInput("q", "Paris", "Paris"))
+    assert verdict.status == "invalid" and "malformed judge response" in (verdict.reason or ""), verdict
+
