@@ -454,7 +454,6 @@ def test_a_request_queued_on_our_side_is_not_hedged_and_a_late_repeat_is_not_sen
     assert set(copies.values()) == {1}  # the Lyon repeat never reached the judge, nor did a repeat of Madrid
 
 
-
 def test_a_chunked_reply_is_read_and_its_connection_kept() -> None:
     """A server may send its reply in chunks (Transfer-Encoding: chunked, as a proxy in front of a judge
     does): the body is the chunks joined, chunk extensions and trailer fields are skipped, and the
@@ -483,8 +482,10 @@ def test_a_chunked_reply_is_read_and_its_connection_kept() -> None:
     assert len(Chunked.connections) == 1
 
 
-def test_a_reply_past_the_size_limit_is_not_read_whole(server: tuple[str, type[_Handler]],
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_reply_past_the_size_limit_is_an_invalid_verdict(server: tuple[str, type[_Handler]],
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reply longer than ``MAX_REPLY_BYTES`` is cut there, so it does not parse: an invalid verdict with the
+    reason, never a score taken from part of a reply."""
     from workers.verifiers import llm_judge
 
     endpoint, handler = server
@@ -492,4 +493,3 @@ def test_a_reply_past_the_size_limit_is_not_read_whole(server: tuple[str, type[_
     handler.behaviour = staticmethod(reply_with(lambda p: "x" * 400 + "\nSCORE: 10"))
     verdict = build_verifier("llm_judge", cfg(endpoint)).judge(JudgeInput("q", "Paris", "Paris"))
     assert verdict.status == "invalid" and "malformed judge response" in (verdict.reason or ""), verdict
-
