@@ -72,14 +72,18 @@ def reply_with(text_for: Callable[[str], str]) -> Callable[[dict[str, Any]], tup
     return behave
 
 
+def _serve(handler: type[BaseHTTPRequestHandler]) -> tuple[ThreadingHTTPServer, str]:
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    return httpd, f"http://127.0.0.1:{httpd.server_address[1]}/v1"
+
+
 @pytest.fixture
 def server() -> Iterator[tuple[str, type[_Handler]]]:
     handler = type("H", (_Handler,), {"behaviour": staticmethod(reply_with(careful_judge)), "requests": []})
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
+    httpd, endpoint = _serve(handler)
     try:
-        yield f"http://127.0.0.1:{httpd.server_address[1]}/v1", handler
+        yield endpoint, handler
     finally:
         httpd.shutdown()
         httpd.server_close()
@@ -284,12 +288,6 @@ class _KeepAliveJudge(BaseHTTPRequestHandler):
 
     def log_message(self, *args: Any) -> None:
         pass
-
-
-def _serve(handler: type[BaseHTTPRequestHandler]) -> tuple[ThreadingHTTPServer, str]:
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    return httpd, f"http://127.0.0.1:{httpd.server_address[1]}/v1"
 
 
 def test_a_keep_alive_judge_is_asked_over_one_connection_per_thread_even_after_it_closes_one():
