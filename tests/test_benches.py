@@ -134,3 +134,16 @@ def test_the_widened_demo_model_computes_the_demo_models_function_with_more_para
     weights["model.layers.0.mlp.down_proj.weight"][:, -1] = 1.0
     save_file(weights, str(tmp_path / "wide" / "model.safetensors"), metadata={"format": "pt"})
     assert check(SOURCE, tmp_path / "wide") > 1e-3
+
+
+def test_the_longrun_benchmark_times_a_tick_on_a_short_and_a_long_run(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")}
+    env["TEMPER_VAR_DIR"] = str(tmp_path)  # a SQLite database of its own
+    out = subprocess.run([sys.executable, "bench/longrun.py", "--groups", "600", "--small", "100", "--repeat", "2"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    last = out.stdout.strip().splitlines()[-1]
+    figures = dict(item.split("=", 1) for item in last.removeprefix("result: ").split())
+    assert last.startswith("result: ") and figures["groups"] == "600" and figures["db"] == "sqlite", last
+    assert {"tick_growth", "record_growth", "report_growth", "health_growth", "before_growth"} <= set(figures)
+    assert float(figures["tick_small_ms"]) > 0 and float(figures["tick_large_ms"]) > 0

@@ -57,6 +57,9 @@ class Run(OwnedModel):
     latest_version = models.PositiveIntegerField(default=0)
     # The loop's saved position (data cursor, partial groups, pending work): what resume continues from.
     state = models.JSONField(default=dict, blank=True)
+    # Groups trained so far, by domain id ("" for a deleted domain's): added to by each step's record
+    # (training.finish), in its transaction, so a tick counts them without reading the run's whole group table.
+    trained_groups = models.JSONField(default=dict, blank=True)
     # Last sequence number handed to a metric point of this run (allocated under a row lock).
     metric_seq = models.BigIntegerField(default=0)
     started_at = models.DateTimeField(null=True, blank=True)
@@ -203,6 +206,7 @@ class PromptGroup(models.Model):
         constraints = [models.UniqueConstraint(fields=["run", "key"], name="promptgroup_run_key_unique")]
         indexes = [
             models.Index(fields=["run", "status", "id"], name="group_run_status_id"),
+            models.Index(fields=["run", "-id"], name="group_run_id"),  # a run's newest groups (health check)
             models.Index(fields=["run", "id"], condition=models.Q(retry_pending=True), name="group_run_retry"),
             models.Index(fields=["run", "trained_step"], name="group_run_trained_step"),  # a step's report
         ]

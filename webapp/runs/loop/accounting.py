@@ -31,7 +31,8 @@ def accounting(run: Run) -> Accounting:
     """Check that every admitted group was trained exactly once or dropped with a reason.
 
     Trained groups: exactly ``n_samples`` samples, each marked with the group's train step, and exactly
-    ``batch_prompts`` groups per step for steps 1..run.step. Dropped groups: a reason. Groups still in
+    ``batch_prompts`` groups per step for steps 1..run.step, as many by domain as the run's own count
+    (``Run.trained_groups``, what its ticks read). Dropped groups: a reason. Groups still in
     flight are reported by status (a finished run has none).
     """
     spec = RunSpec.model_validate(run.spec)
@@ -47,6 +48,10 @@ def accounting(run: Run) -> Accounting:
     if wrong := {s: n for s, n in per_step.items() if n != spec.pipeline.batch_prompts}:
         problems.append(f"steps with a group count other than {spec.pipeline.batch_prompts}: {wrong}")
     trained = groups.filter(status=G.TRAINED)
+    by_domain = {"" if d is None else str(d): n for d, n in trained.values_list("domain_id").annotate(n=Count("id")).order_by()}
+    kept = Run.objects.filter(pk=run.pk).values_list("trained_groups", flat=True).get()
+    if {k: n for k, n in kept.items() if n} != by_domain:
+        problems.append(f"the run's trained groups by domain, {kept}, differ from the groups marked trained, {by_domain}")
     samples = Trajectory.objects.filter(run=run, group_key__in=trained.values("key"))
     sample_steps = dict(samples.values_list("group_key").annotate(n=Count("id")))
     expected = dict(trained.values_list("key", "n_samples"))

@@ -147,8 +147,10 @@ def step_points(run: Run, version: PolicyVersion) -> list[Point]:
     waits = [g.generate_wait_s for g in groups if g.generate_wait_s is not None]
     if waits:
         points.append(Point("generate_queue_wait_s", step, statistics.fmean(waits)))
-    counts = dict(PromptGroup.objects.filter(run=run).values_list("status").annotate(n=Count("id")))
-    for status in ("admitted", "generating", "verifying", "ready"):
+    stages = ("admitted", "generating", "verifying", "ready")  # read alone: counting every group grew with the run
+    counts = dict(PromptGroup.objects.filter(run=run, status__in=stages).values_list("status")
+                  .annotate(n=Count("id")).order_by())
+    for status in stages:
         points.append(Point(f"groups_{status}", step, float(counts.get(status, 0))))
     points.append(Point("in_flight", step, float(sum(counts.get(s, 0) for s in ("admitted", "generating", "verifying")))))
     window = run.state.get("step_window")  # [previous step's end, this step's end], wall clock
