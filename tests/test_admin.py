@@ -60,3 +60,24 @@ def test_lifecycle_actions(staff_client, user):
 def test_non_staff_cannot_open_admin(client, user):
     client.force_login(user)
     assert client.get("/admin/runs/run/").status_code == 302
+
+
+def test_a_change_in_the_admin_writes_only_what_its_form_changed(rf, staff_client, user):
+    """The loop writes a run's step and trained count while a person edits its description: saving the form
+    keeps them (a whole-row save would put back what the request read), and the count is not on the form."""
+    _, staff = staff_client
+    run = factories.run(user)
+    model_admin = admin.site._registry[Run]
+    request = rf.post("/")
+    request.user = staff
+    obj = model_admin.get_object(request, str(run.pk))
+    form_class = model_admin.get_form(request, obj)
+    assert "trained_groups" not in form_class.base_fields
+    shown = form_class(instance=obj)
+    data = {name: shown[name].value() for name in shown.fields}
+    Run.objects.filter(pk=run.pk).update(step=3, trained_groups={"7": 48})  # the loop, meanwhile
+    form = form_class({**data, "description": "edited"}, instance=obj)
+    assert form.is_valid(), form.errors
+    model_admin.save_model(request, form.save(commit=False), form, change=True)
+    saved = Run.objects.get(pk=run.pk)
+    assert (saved.description, saved.step, saved.trained_groups) == ("edited", 3, {"7": 48})

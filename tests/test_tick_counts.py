@@ -102,3 +102,46 @@ def test_a_domain_that_fitted_the_model_is_not_looked_at_again(user, django_asse
     assert run.state["fitted"] == [a.pk, b.pk]
     with django_assert_num_queries(1):  # the run's domains; no group is read
         assert admission.set_aside_unfit(run) == set()
+
+
+@pytest.mark.django_db
+def test_groups_without_a_domain_are_counted_under_an_empty_key(user):
+    run, a, _ = two_domain_run(user)
+    orphan = PromptGroup.objects.create(run=run, key="no-domain", domain=None, status="ready")
+    train(run, 1, [orphan, *groups(run, a, "ready", 1)])
+    run.refresh_from_db()
+    assert run.trained_groups == {"": 1, str(a.pk): 1}
+    assert snapshot(run).trained == 2
+    assert not [p for p in accounting(run).problems if "by domain" in p]
+
+
+@pytest.mark.django_db
+def test_a_deleted_domains_count_is_its_groups_without_a_domain(user):
+    run, _, b = two_domain_run(user)
+    train(run, 1, groups(run, b, "ready", 2))
+    key = str(b.pk)
+    run.run_domains.filter(domain=b).delete()
+    b.delete()  # its groups' domain is set to NULL; the run's count still names it
+    assert Run.objects.get(pk=run.pk).trained_groups == {key: 2}
+    assert not [p for p in accounting(run).problems if "by domain" in p]
+
+
+@pytest.mark.django_db
+def test_a_start_or_resume_sets_a_count_that_differs_from_the_groups_right(user, redis_url, caplog):
+    from webapp.runs import services
+
+    run, a, _ = two_domain_run(user)
+    train(run, 1, groups(run, a, "ready", 3))
+    Run.objects.filter(pk=run.pk).update(trained_groups={str(a.pk): 1})  # e.g. a worker of the old code
+    services.do_start_run(Run.objects.get(pk=run.pk), actor=user, force=True)
+    assert tick.advance(run.pk) == "running"
+    assert Run.objects.get(pk=run.pk).trained_groups == {str(a.pk): 3}
+    assert "recounted" in caplog.text
+
+
+@pytest.mark.django_db
+def test_admission_keeps_the_domains_that_fit(user):
+    run, a, _ = two_domain_run(user)
+    PromptGroup.objects.filter(pk=groups(run, a, "verifying", 1)[0].pk).update(generated_version=0)
+    admission.admit(run, {a.pk: 1}, {})
+    assert Run.objects.get(pk=run.pk).state["fitted"] == [a.pk]  # written with the admission

@@ -55,7 +55,7 @@ class RunAdmin(admin.ModelAdmin):
     list_select_related = ["base_model", "owner"]
     search_fields = ["name", "description"]
     readonly_fields = ["status", "status_reason", "forced_start", "step", "latest_version", "metric_seq",
-                       "started_at", "finished_at", "state"]
+                       "started_at", "finished_at", "state", "trained_groups"]
     inlines = [RunDomainInline, RunEventInline]
     actions = [
         _lifecycle_action("start", services.do_start_run, "Start the selected draft runs"),
@@ -63,6 +63,14 @@ class RunAdmin(admin.ModelAdmin):
         _lifecycle_action("resume", services.do_resume_run, "Resume the selected runs"),
         _lifecycle_action("cancel", services.do_cancel_run, "Cancel the selected runs"),
     ]
+
+    def save_model(self, request, obj, form, change):  # type: ignore[no-untyped-def]
+        """A change writes only the fields its form changed: the loop writes the run's step, state and trained
+        count meanwhile, and a whole-row save would put back what they were when the request read the row."""
+        if not change:
+            super().save_model(request, obj, form, change)
+        elif form.changed_data:
+            obj.save(update_fields=form.changed_data)
 
 
 @admin.register(RunEvent)

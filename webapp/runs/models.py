@@ -57,8 +57,9 @@ class Run(OwnedModel):
     latest_version = models.PositiveIntegerField(default=0)
     # The loop's saved position (data cursor, partial groups, pending work): what resume continues from.
     state = models.JSONField(default=dict, blank=True)
-    # Groups trained so far, by domain id ("" for a deleted domain's): added to by each step's record
-    # (training.finish), in its transaction, so a tick counts them without reading the run's whole group table.
+    # Groups trained so far, by domain id ("" for groups without a domain): added to by each step's record
+    # (training.finish), in its transaction, so a tick counts them without reading the run's whole group table;
+    # checked against the groups on every start and resume (accounting.recount_trained).
     trained_groups = models.JSONField(default=dict, blank=True)
     # Last sequence number handed to a metric point of this run (allocated under a row lock).
     metric_seq = models.BigIntegerField(default=0)

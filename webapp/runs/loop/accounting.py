@@ -6,14 +6,17 @@ check after the fact, and what a person can check on any run (``accounting(run).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from django.db.models import Count
 
+from webapp.catalog.models import TaskDomain
 from webapp.runs.models import PromptGroup, Run, Trajectory
 from workers.pipeline.spec import RunSpec
 
 G = PromptGroup.Status
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -25,6 +28,39 @@ class Accounting:
     trained_samples: int
     steps: int
     problems: list[str]
+
+
+def count_trained(run: Run) -> dict[str, int]:
+    """The run's trained groups by domain id, counted from the group table ("" for groups without a domain):
+    what ``Run.trained_groups`` keeps. Reads the whole run: for a check, a start or a resume, not a tick."""
+    return {"" if domain_id is None else str(domain_id): n for domain_id, n in (
+        PromptGroup.objects.filter(run=run, status=G.TRAINED).values_list("domain_id").annotate(n=Count("id"))
+        .order_by())}
+
+
+def kept_count(run: Run) -> dict[str, int]:
+    """``Run.trained_groups`` as read now, a domain deleted since (its groups' domain set to NULL) under ""."""
+    kept: dict[str, int] = Run.objects.filter(pk=run.pk).values_list("trained_groups", flat=True).get()
+    existing = set(TaskDomain.objects.filter(pk__in=[int(k) for k in kept if k]).values_list("pk", flat=True))
+    out: dict[str, int] = {}
+    for key, n in kept.items():
+        key = key if key and int(key) in existing else ""
+        if n:
+            out[key] = out.get(key, 0) + n
+    return out
+
+
+def recount_trained(run: Run) -> None:
+    """Set the run's kept count to the group table's when they differ (with a warning): a start or a resume
+    begins from the groups themselves, whatever wrote the run row meanwhile (an old worker during an upgrade,
+    a hand edit)."""
+    counted = count_trained(run)
+    if kept_count(run) != counted:
+        log.warning("run %s: its trained count %s differed from its groups' %s; recounted", run.pk,
+                    run.trained_groups, counted)
+    if run.trained_groups != counted:
+        Run.objects.filter(pk=run.pk).update(trained_groups=counted)
+        run.trained_groups = counted
 
 
 def accounting(run: Run) -> Accounting:
@@ -48,10 +84,9 @@ def accounting(run: Run) -> Accounting:
     if wrong := {s: n for s, n in per_step.items() if n != spec.pipeline.batch_prompts}:
         problems.append(f"steps with a group count other than {spec.pipeline.batch_prompts}: {wrong}")
     trained = groups.filter(status=G.TRAINED)
-    by_domain = {"" if d is None else str(d): n for d, n in trained.values_list("domain_id").annotate(n=Count("id")).order_by()}
-    kept = Run.objects.filter(pk=run.pk).values_list("trained_groups", flat=True).get()
-    if {k: n for k, n in kept.items() if n} != by_domain:
-        problems.append(f"the run's trained groups by domain, {kept}, differ from the groups marked trained, {by_domain}")
+    counted, kept = count_trained(run), kept_count(run)
+    if kept != counted:
+        problems.append(f"the run's trained groups by domain, {kept}, differ from the groups marked trained, {counted}")
     samples = Trajectory.objects.filter(run=run, group_key__in=trained.values("key"))
     sample_steps = dict(samples.values_list("group_key").annotate(n=Count("id")))
     expected = dict(trained.values_list("key", "n_samples"))

@@ -22,7 +22,7 @@ from django.utils import timezone
 
 from webapp.common.errors import InvalidTransition
 from webapp.runs import services
-from webapp.runs.loop import admission, live
+from webapp.runs.loop import accounting, admission, live
 from webapp.runs.loop.recovery import WorkerLiveness, broker_was_reset
 from webapp.runs.models import PromptGroup, Run, RunStatus
 from workers import messages
@@ -184,6 +184,8 @@ def _advance(run_id: int, *, recovering: bool = False, broker_reset: bool = Fals
             if run.status == RunStatus.QUEUED:
                 first_start = run.started_at is None
                 run = services.do_mark_running(run)
+                # from here on the ticks read the kept count: a start or a resume checks it against the groups
+                accounting.recount_trained(run)
                 if first_start:  # the base model's held-out level
                     live.forget_usage(run_id)
                     transaction.on_commit(partial(messages.evaluate, run_id, 0))

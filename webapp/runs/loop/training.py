@@ -126,13 +126,14 @@ def finish(run: Run, step: int, groups: list[PromptGroup], *, version_path: Path
             defaults={"parent": parent, "step": step, "path": str(version_path), "metrics": metrics})
         # A run that ended while this step trained (its target reached on an evaluation) dropped the step's
         # groups as unfinished; the step did train on them and its version is recorded, so they are trained.
-        marked = PromptGroup.objects.filter(pk__in=[g.pk for g in groups], trained_step=step,
-                                            status__in=(G.TRAINING, G.DROPPED))
+        marked = dict(PromptGroup.objects.filter(pk__in=[g.pk for g in groups], trained_step=step,
+                                                 status__in=(G.TRAINING, G.DROPPED)).values_list("id", "domain_id"))
         trained = dict(locked.trained_groups)
-        for domain_id in marked.values_list("domain_id", flat=True):
+        for domain_id in marked.values():
             key = "" if domain_id is None else str(domain_id)
             trained[key] = trained.get(key, 0) + 1
-        marked.update(status=G.TRAINED, drop_reason="", holder="", updated_at=timezone.now())
+        PromptGroup.objects.filter(pk__in=list(marked)).update(status=G.TRAINED, drop_reason="", holder="",
+                                                                updated_at=timezone.now())
         Trajectory.objects.filter(run=run, group_key__in=[g.key for g in groups]).update(trained_step=step)
         record_sample_facts(facts or {})
         state = dict(locked.state)
