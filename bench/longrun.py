@@ -5,7 +5,8 @@
 
 Two runs of the demo's addition tasks (in a domain of their own, ``longrun addition``) in one database
 (SQLite under ``var/bench/longrun.sqlite3`` unless ``DATABASE_URL`` is set; the rows are kept between runs,
-as writing them takes a while; PostgreSQL's statistics are gathered first, as autovacuum would): a short one
+as writing them takes a while; on PostgreSQL the tables are vacuumed and analysed first, as autovacuum
+would): a short one
 (``--small`` groups) and a long one (``--groups``: at the demo's 16 prompts a step, 200,000 groups are 12,500
 steps, or 1,560 steps of a run over a hundred domains at 128 prompts a step). Each group has its 8 samples;
 one group in 8 was dropped (``bench/pipeline.py`` drops 10-15 % too stale) and the rest trained, 16 a step,
@@ -217,9 +218,9 @@ def main() -> int:
                                  for p, a in _split_pool("addition", "train")))
     runs = {"short": build(f"longrun {args.small}", args.small, domain, owner, base_model),
             "long": build(f"longrun {args.groups}", args.groups, domain, owner, base_model)}
-    if connection.vendor == "postgresql":  # the planner's statistics, as autovacuum gathers them after a bulk write
-        with connection.cursor() as cursor:
-            cursor.execute("ANALYZE runs_promptgroup, runs_trajectory, runs_policyversion")
+    if connection.vendor == "postgresql":  # as autovacuum would: the planner's statistics after the bulk write,
+        with connection.cursor() as cursor:  # and the dead rows of an earlier bench's rolled-back ticks gone
+            cursor.execute("VACUUM ANALYZE runs_promptgroup, runs_trajectory, runs_policyversion, runs_run")
     results = {label: measure(run, args.repeat) for label, run in runs.items()}
 
     rows = [("tick: snapshot, decision, claim, admission", "tick"), ("step record (GPU worker)", "record"),
