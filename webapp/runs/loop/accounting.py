@@ -30,10 +30,15 @@ class Accounting:
     problems: list[str]
 
 
+def domain_key(domain_id: int | None) -> str:
+    """A domain's key in ``Run.trained_groups``: its id, "" for groups without a domain."""
+    return "" if domain_id is None else str(domain_id)
+
+
 def count_trained(run: Run) -> dict[str, int]:
-    """The run's trained groups by domain id, counted from the group table ("" for groups without a domain):
-    what ``Run.trained_groups`` keeps. Reads the whole run: for a check, a start or a resume, not a tick."""
-    return {"" if domain_id is None else str(domain_id): n for domain_id, n in (
+    """The run's trained groups by domain (``domain_key``), counted from the group table: what
+    ``Run.trained_groups`` keeps. Reads the whole run: for a check, a start or a resume, not a tick."""
+    return {domain_key(domain_id): n for domain_id, n in (
         PromptGroup.objects.filter(run=run, status=G.TRAINED).values_list("domain_id").annotate(n=Count("id"))
         .order_by())}
 

@@ -30,6 +30,7 @@ from django.db import connection, transaction
 from django.utils import timezone
 
 from webapp.runs.loop import live, paths, tick
+from webapp.runs.loop.accounting import domain_key
 from webapp.runs.loop.tick import limits_for
 from webapp.runs.loop.verification import judged_inline
 from webapp.runs.models import PolicyVersion, PromptGroup, Run, RunStatus, Trajectory, VerdictChoice
@@ -130,8 +131,7 @@ def finish(run: Run, step: int, groups: list[PromptGroup], *, version_path: Path
                                                  status__in=(G.TRAINING, G.DROPPED)).values_list("id", "domain_id"))
         trained = dict(locked.trained_groups)
         for domain_id in marked.values():
-            key = "" if domain_id is None else str(domain_id)
-            trained[key] = trained.get(key, 0) + 1
+            trained[domain_key(domain_id)] = trained.get(domain_key(domain_id), 0) + 1
         PromptGroup.objects.filter(pk__in=list(marked)).update(status=G.TRAINED, drop_reason="", holder="",
                                                                 updated_at=timezone.now())
         Trajectory.objects.filter(run=run, group_key__in=[g.key for g in groups]).update(trained_step=step)
