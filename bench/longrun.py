@@ -19,7 +19,7 @@ for a rollout. On each run, the median of ``--repeat`` calls of what the loop pa
 * step report: ``reporting.step_points``, a step's metric points;
 * health: ``alerts.gather``, the health check after every step;
 
-each in a transaction rolled back, so every repeat sees the same rows. The baseline, on the same rows: what a
+each in a transaction rolled back (its begin and rollback timed with it), so every repeat sees the same rows. The baseline, on the same rows: what a
 tick and a report read before each run kept its trained count (``Run.trained_groups``): the group table's
 trained and per-domain counts, its dropped groups for domains that do not fit, and every group's status.
 
@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 import uuid
@@ -42,6 +41,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+
+from bench import timed  # noqa: E402
 
 B, G = 16, 8
 """Groups a step, samples a group: the demo run's."""
@@ -116,18 +117,16 @@ def build(name: str, n: int, domain: Any, owner: Any, base_model: Any) -> Any:
     return Run.objects.get(pk=run.pk)
 
 
-def timed(fn: Callable[[], Any], repeat: int) -> float:
-    """Median milliseconds of ``fn`` in a transaction rolled back (the rows stay as built)."""
+def rolled_back(fn: Callable[[], Any]) -> Callable[[], None]:
+    """``fn`` in a transaction rolled back, so every call sees the rows as built."""
     from django.db import transaction
 
-    times = []
-    for _ in range(repeat):
+    def call() -> None:
         with transaction.atomic():
-            start = time.perf_counter()
             fn()
-            times.append(time.perf_counter() - start)
             transaction.set_rollback(True)
-    return 1000 * statistics.median(times)
+
+    return call
 
 
 def measure(run: Any, repeat: int) -> dict[str, float]:
@@ -168,11 +167,11 @@ def measure(run: Any, repeat: int) -> dict[str, float]:
             raise SystemExit(f"{run.name}: the tick claimed {claimed} and admitted {admitted}; expected step "
                              f"{run.step + 1} and a chunk")
         figures = {
-            "tick": timed(lambda: tick.advance_holding_train(run.pk, "bench"), repeat),
-            "record": timed(record, repeat),
-            "report": timed(lambda: reporting.step_points(run, version), repeat),
-            "health": timed(lambda: alerts.gather(run, spec, timezone.now()), repeat),
-            "before": timed(before, repeat),
+            "tick": timed(rolled_back(lambda: tick.advance_holding_train(run.pk, "bench")), repeat),
+            "record": timed(rolled_back(record), repeat),
+            "report": timed(rolled_back(lambda: reporting.step_points(run, version)), repeat),
+            "health": timed(rolled_back(lambda: alerts.gather(run, spec, timezone.now())), repeat),
+            "before": timed(rolled_back(before), repeat),
         }
         return figures
     finally:
