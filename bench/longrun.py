@@ -18,6 +18,7 @@ for a rollout. On each run, the median of ``--repeat`` calls of what the loop pa
 * step record: ``training.finish``, the GPU worker's record of a trained batch;
 * step report: ``reporting.step_points``, a step's metric points;
 * health: ``alerts.gather``, the health check after every step;
+* run page: what a user waits for on ``/runs/<id>/`` (its group counts, its versions' first page, its events);
 
 each in a transaction rolled back (its begin and rollback timed with it), so every repeat sees the same rows. The baseline, on the same rows: what a
 tick and a report read before each run kept its trained count (``Run.trained_groups``): the group table's
@@ -132,6 +133,7 @@ def rolled_back(fn: Callable[[], Any]) -> Callable[[], None]:
 def measure(run: Any, repeat: int) -> dict[str, float]:
     from django.db import transaction
     from django.db.models import Count
+    from django.test import Client
     from django.utils import timezone
 
     from webapp.runs.loop import alerts, reporting, tick, training
@@ -166,7 +168,17 @@ def measure(run: Any, repeat: int) -> dict[str, float]:
         if claimed != run.step + 1 or admitted <= 0:
             raise SystemExit(f"{run.name}: the tick claimed {claimed} and admitted {admitted}; expected step "
                              f"{run.step + 1} and a chunk")
+        client = Client()
+        client.force_login(run.owner)
+
+        def page() -> None:  # what a user waits for: the run page, its counts and its versions' first page
+            response = client.get(f"/runs/{run.pk}/")
+            if response.status_code != 200:
+                raise SystemExit(f"{run.name}: the run page answered {response.status_code}")
+
+        page()
         figures = {
+            "page": timed(page, repeat),
             "tick": timed(rolled_back(lambda: tick.advance_holding_train(run.pk, "bench")), repeat),
             "record": timed(rolled_back(record), repeat),
             "report": timed(rolled_back(lambda: reporting.step_points(run, version)), repeat),
@@ -223,7 +235,7 @@ def main() -> int:
     results = {label: measure(run, args.repeat) for label, run in runs.items()}
 
     rows = [("tick: snapshot, decision, claim, admission", "tick"), ("step record (GPU worker)", "record"),
-            ("step report", "report"), ("health check", "health"),
+            ("step report", "report"), ("health check", "health"), ("run page (GET /runs/<id>/)", "page"),
             ("baseline: the counts a tick and a report read before", "before")]
     print(f"\ndatabase {connection.vendor}; median of {args.repeat} calls, ms")
     print(f"{'':54s}{'short run':>12s}{'long run':>12s}{'long/short':>12s}")
@@ -232,11 +244,12 @@ def main() -> int:
     for title, key in rows:
         short, long = results["short"][key], results["long"][key]
         print(f"{title:54s}{short:12.2f}{long:12.2f}{long / short:12.2f}")
-    growth = {k: results["long"][k] / results["short"][k] for k in ("tick", "record", "report", "health", "before")}
+    growth = {k: results["long"][k] / results["short"][k] for k in ("tick", "record", "report", "health", "page", "before")}
     print("\nresult: " + " ".join([
         f"tick_small_ms={results['short']['tick']:.2f}", f"tick_large_ms={results['long']['tick']:.2f}",
         f"tick_growth={growth['tick']:.2f}", f"record_growth={growth['record']:.2f}",
         f"report_growth={growth['report']:.2f}", f"health_growth={growth['health']:.2f}",
+        f"page_large_ms={results['long']['page']:.2f}", f"page_growth={growth['page']:.2f}",
         f"before_large_ms={results['long']['before']:.2f}", f"before_growth={growth['before']:.2f}",
         f"groups={args.groups}", f"db={connection.vendor}"]))
     return 0

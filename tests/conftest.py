@@ -93,10 +93,19 @@ def worker_env(**extra: str) -> dict[str, str]:
 
 def stop_group(proc: subprocess.Popen[bytes], timeout: float) -> None:
     """SIGTERM a subprocess's process group, then SIGKILL it if it has not exited within ``timeout``."""
-    if proc.poll() is None:
+    stop_groups([proc], timeout)
+
+
+def stop_groups(procs: list[subprocess.Popen[bytes]], timeout: float) -> None:
+    """``stop_group`` for several at once: all are sent SIGTERM first, so their shutdowns overlap (one after
+    another, a test's three workers took 2.5-3.4 s of its teardown)."""
+    running = [proc for proc in procs if proc.poll() is None]
+    for proc in running:
         os.killpg(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for proc in running:
         try:
-            proc.wait(timeout)
+            proc.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
@@ -152,8 +161,9 @@ def start_worker(redis_url: str, tmp_path: Path) -> Iterator[Callable[..., Worke
         return worker
 
     yield start
+    stop_groups([worker.proc for worker in workers], 20)
     for worker in workers:
-        worker.stop()
+        worker.log.close()
 
 
 def free_port() -> int:

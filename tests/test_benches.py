@@ -145,5 +145,6 @@ def test_the_longrun_benchmark_times_a_tick_on_a_short_and_a_long_run(tmp_path):
     last = out.stdout.strip().splitlines()[-1]
     figures = dict(item.split("=", 1) for item in last.removeprefix("result: ").split())
     assert last.startswith("result: ") and figures["groups"] == "600" and figures["db"] == "sqlite", last
-    assert {"tick_growth", "record_growth", "report_growth", "health_growth", "before_growth"} <= set(figures)
+    assert {"tick_growth", "record_growth", "report_growth", "health_growth", "page_growth", "before_growth"} <= set(figures)
+    assert float(figures["page_large_ms"]) > 0
     assert float(figures["tick_small_ms"]) > 0 and float(figures["tick_large_ms"]) > 0

@@ -5,13 +5,15 @@ count against the groups themselves."""
 from __future__ import annotations
 
 import importlib
+import re
 import time
 from pathlib import Path
 
 import pytest
 from django.apps import apps
-from django.db import transaction
+from django.db import connection, transaction
 from django.db.models import Count
+from django.test.utils import CaptureQueriesContext
 
 from tests import factories
 from webapp.runs.loop import admission, tick, training
@@ -145,3 +147,28 @@ def test_admission_keeps_the_domains_that_fit(user):
     PromptGroup.objects.filter(pk=groups(run, a, "verifying", 1)[0].pk).update(generated_version=0)
     admission.admit(run, {a.pk: 1}, {})
     assert Run.objects.get(pk=run.pk).state["fitted"] == [a.pk]  # written with the admission
+
+
+@pytest.mark.django_db
+def test_the_run_page_counts_every_status_without_reading_the_trained_groups(client, user):
+    from webapp.ui.views import _group_counts
+
+    run, a, b = two_domain_run(user)
+    train(run, 1, groups(run, a, "ready", 3) + groups(run, b, "ready", 2))
+    groups(run, a, "dropped", 4)
+    groups(run, b, "verifying", 1)
+    groups(run, a, "admitted", 2)
+    groups(run, a, "ready", 1)
+    table = dict(PromptGroup.objects.filter(run=run).values_list("status").annotate(n=Count("id")).order_by())
+    assert table == {"trained": 5, "dropped": 4, "verifying": 1, "admitted": 2, "ready": 1}
+
+    client.force_login(user)
+    html = client.get(f"/runs/{run.pk}/").content.decode()
+    shown = re.findall(r'<span class="tag">(\w+): (\d+)</span>', html.split('id="group-counts"')[1].split("</p>")[0])
+    # in the pipeline's order, each status as the group table holds it
+    assert shown == [("admitted", "2"), ("verifying", "1"), ("ready", "1"), ("trained", "5"), ("dropped", "4")]
+
+    run = Run.objects.get(pk=run.pk)
+    with CaptureQueriesContext(connection) as queries:
+        assert _group_counts(run) == table
+    assert len(queries) == 1 and "'trained'" not in queries[0]["sql"], queries.captured_queries

@@ -8,7 +8,9 @@ import re
 from typing import Any
 
 import pytest
+from django.db import connection
 from django.test import Client
+from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 from django.utils import timezone
 
@@ -335,6 +337,14 @@ def test_the_run_page_pages_its_versions_and_shows_the_device(client_in: Client,
     assert "trained on cpu float32" in page and "gpu@box: cuda:0 (H200) bfloat16" in page
     last = client_in.get(reverse("run", args=[run.pk]) + "?versions_page=20").content.decode()
     assert re.findall(r">v(\d+)</a></td>", last) == [str(n) for n in range(20, 0, -1)]
+    # a page of 20 versions costs the queries of a page of one: none a version
+    short = factories.run(user, name="short")
+    PolicyVersion.objects.create(run=short, number=1, step=1, metrics={"device": "cpu"})
+    with CaptureQueriesContext(connection) as long_page:
+        client_in.get(reverse("run", args=[run.pk]))
+    with CaptureQueriesContext(connection) as short_page:
+        client_in.get(reverse("run", args=[short.pk]))
+    assert short.versions.count() == 1 and len(long_page) == len(short_page), long_page.captured_queries
 
 
 def test_the_compare_view_shows_both_evaluation_layers_per_run(client_in: Client, user: Any) -> None:

@@ -21,6 +21,7 @@ from webapp.runs.loop import alerts, heldout, live
 from webapp.runs.metrics import Point
 from webapp.runs.models import PolicyVersion, PromptGroup, Run, Trajectory, VerdictChoice
 from workers import messages
+from workers.pipeline.scheduler import IN_FLIGHT
 from workers.pipeline.spec import RunSpec
 
 TRAINER_METRICS = (
@@ -147,12 +148,12 @@ def step_points(run: Run, version: PolicyVersion) -> list[Point]:
     waits = [g.generate_wait_s for g in groups if g.generate_wait_s is not None]
     if waits:
         points.append(Point("generate_queue_wait_s", step, statistics.fmean(waits)))
-    stages = ("admitted", "generating", "verifying", "ready")  # read alone: counting every group grew with the run
+    stages = (*IN_FLIGHT, "ready")  # read alone: counting every group grew with the run
     counts = dict(PromptGroup.objects.filter(run=run, status__in=stages).values_list("status")
                   .annotate(n=Count("id")).order_by())
     for status in stages:
         points.append(Point(f"groups_{status}", step, float(counts.get(status, 0))))
-    points.append(Point("in_flight", step, float(sum(counts.get(s, 0) for s in ("admitted", "generating", "verifying")))))
+    points.append(Point("in_flight", step, float(sum(counts.get(s, 0) for s in IN_FLIGHT))))
     window = run.state.get("step_window")  # [previous step's end, this step's end], wall clock
     if window and window[1] > window[0] and run.step == step:
         points.append(Point("gpu_busy", step, min(1.0, live.take_busy(run.pk) / (window[1] - window[0]))))
