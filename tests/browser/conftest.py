@@ -30,12 +30,17 @@ def browser(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "1")
     if not (shutil.which(CHROMIUM) or Path(CHROMIUM).exists()):
         pytest.fail(f"{CHROMIUM} is missing: run `make system-deps` (apt-get install chromium) as root")
+    from django.db import connections
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
         chromium = launch_chromium(p, tmp_path)
         yield chromium
         chromium.close()
+        # The test's ORM calls ran in the context Playwright's sync API set up, so on connections of their own
+        # (Django keeps one per context), which pytest-django does not close: left open, one outlived the
+        # session and PostgreSQL refused to drop the test database ("being accessed by other users").
+        connections.close_all()
 
 
 def log_in(page: Any, base_url: str, username: str, password: str) -> None:
