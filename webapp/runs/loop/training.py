@@ -131,7 +131,8 @@ def finish(run: Run, step: int, groups: list[PromptGroup], *, version_path: Path
                                                  status__in=(G.TRAINING, G.DROPPED)).values_list("id", "domain_id"))
         trained = dict(locked.trained_groups)
         for domain_id in marked.values():
-            trained[domain_key(domain_id)] = trained.get(domain_key(domain_id), 0) + 1
+            key = domain_key(domain_id)
+            trained[key] = trained.get(key, 0) + 1
         PromptGroup.objects.filter(pk__in=list(marked)).update(status=G.TRAINED, drop_reason="", holder="",
                                                                 updated_at=timezone.now())
         Trajectory.objects.filter(run=run, group_key__in=[g.key for g in groups]).update(trained_step=step)
