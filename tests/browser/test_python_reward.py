@@ -116,7 +116,7 @@ def test_write_calibrate_attach_and_train_with_your_own_reward(
         assert t.verifier_details.get("reward_status") == "ok", (t.verdict, t.verdict_reason, t.verifier_details)
         assert t.reward == t.verifier_details["raw_score"]
         assert t.reward == (1.0 if t.completion.strip() == t.task.reference["answer"] else 0.0)  # type: ignore[union-attr]
-    page.once("dialog", lambda dialog: dialog.accept())
-    if Run.objects.get(pk=run.pk).status not in ("completed", "failed", "cancelled"):
-        page.click("#btn-cancel")
+    # the run ends by itself at max_steps (clicking Cancel raced it: the page could disable the button between
+    # the status read here and the click, which then waited 30 s for a button that stays disabled)
+    wait_for(lambda: Run.objects.get(pk=run.pk).status in ("completed", "failed", "cancelled"), 240, "the run to end")
     assert not errors, errors
