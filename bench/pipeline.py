@@ -40,7 +40,12 @@ is done (the engine and trainer are loaded by then) and lasts ``--seconds``:
 * the device's idle time, by what it waited for: a rollout (generation handed to it) or a train step (a
   batch verified, claimed and read), from the device process's log of its requests;
 * how busy the device's core(s) and the other core(s) were over the window (``/proc/stat``): on a CPU
-  "device", every other stage shares the rest of the machine.
+  "device", every other stage shares the rest of the machine;
+* the *model* (``bench/pipeline_model.py``): the real scheduler's decisions on a simulated device and judge,
+  fed this mode's measured figures (device seconds a rollout's group and a train step, the judge's measured
+  delays): the GPU-busy fraction it allows with nothing between two device requests (the machinery free),
+  the same at the mean gap measured between two requests (the model against the measurement), and the
+  largest gap a request that still gives 0.95 — the hand-off the machinery may cost, against what it does.
 
 ``--base-model DIR`` runs another model with the demo's tokenizer and task format: ``bench/widen.py`` makes
 the demo model wider with zeros (the same function, more device work a trajectory), to see the pipeline
@@ -490,6 +495,7 @@ def measure(mode: str, args: argparse.Namespace, owner: Any, base_model: Any, do
     time.sleep(1.0)
     device, device_cpu = device_seconds(procs.workdir / "profile", t0.timestamp(), t1.timestamp())
     idle = device_idle(procs.workdir / "profile", t0.timestamp(), t1.timestamp())
+    idle |= device_requests(procs.workdir / "profile", t0.timestamp(), t1.timestamp())
     from workers.pipeline.scheduler import STALE
 
     stages = group_times(run, step0, step1)
@@ -561,6 +567,48 @@ def device_seconds(profile: Path, start: float, end: float) -> tuple[float, floa
                 wall += t.get("device", 0.0) * share
                 cpu += t.get("device_cpu", 0.0) * share
     return wall, cpu
+
+
+def device_requests(profile: Path, start: float, end: float) -> dict[str, float]:
+    """What ``bench/pipeline_model.py`` takes from the device process's log of its requests between ``start``
+    and ``end``: device seconds a rollout's group and a train step's, and the mean gap between two requests
+    (the device's idle time over the requests that ended it)."""
+    rows = [r for path in profile.glob("device-*.jsonl") for r in map(json.loads, path.read_text().splitlines())
+            if r.get("method") in ("rollout", "train") and start < r["end"] <= end]
+    rollouts = [r for r in rows if r["method"] == "rollout" and r.get("prompts")]
+    trains = [r for r in rows if r["method"] == "train"]
+    spans = sorted((r["end"] - r["seconds"], r["end"]) for r in rows)
+    gaps = [max(0.0, began - ended) for (_, ended), (began, _) in itertools.pairwise(spans)]
+    rollout_s_group = sum(r["seconds"] for r in rollouts) / max(1, sum(r["prompts"] for r in rollouts))
+    train_s = statistics.fmean(r["seconds"] for r in trains) if trains else math.nan
+    return {
+        "rollout_s_group": rollout_s_group, "rollout_ms_group": 1000 * rollout_s_group,
+        "train_s": train_s, "train_ms": 1000 * train_s,
+        "gap_ms": 1000 * statistics.fmean(gaps) if gaps else math.nan,
+        "rollout_groups": sum(r["prompts"] for r in rollouts) / max(1, len(rollouts)),
+    }
+
+
+def machinery_free(args: argparse.Namespace, run_spec: dict[str, Any], figures: dict[str, float],
+                   judge_delays: list[float]) -> dict[str, float]:
+    """``bench/pipeline_model.py`` on this mode's measured figures: the GPU-busy fraction the scheduler allows
+    when nothing but the device and the judge takes time (no gap between device requests), the same at the
+    measured gap (the model against the measurement), and the largest gap between device requests that still
+    gives 0.95."""
+    from bench.pipeline_model import gap_for, simulate
+    from webapp.runs.loop.tick import limits_for
+    from workers.pipeline.spec import RunSpec
+
+    if not judge_delays or not figures["train_s"] > 0:
+        return {}
+    limits = limits_for(RunSpec.model_validate(run_spec))
+    inputs = dict(group_size=args.group, rollout_s=figures["rollout_s_group"], train_s=figures["train_s"],
+                  judge_delays=judge_delays, seconds=120.0)
+    return {
+        "model_busy_free": simulate(limits, **inputs)["gpu_busy"],
+        "model_busy_gap": simulate(limits, gap_s=figures["gap_ms"] / 1000, **inputs)["gpu_busy"],
+        "model_gap_095_ms": 1000 * gap_for(0.95, limits, **inputs),
+    }
 
 
 def device_idle(profile: Path, start: float, end: float) -> dict[str, float]:
@@ -748,6 +796,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     assert judge is not None
     delays = sorted(judge.delays)
+    for mode in results:  # the scheduler with the machinery taken away, on this mode's figures
+        results[mode] |= machinery_free(args, spec_for(mode, args), results[mode], delays)
     print(f"\nworkload: {base_model.name} model, torch engine, addition domain, B={args.batch} G={args.group}, "
           f"async max_staleness={args.staleness}; judge latency median {args.judge_median_ms:.0f} ms, "
           f"sigma {args.judge_sigma}, measured p50/p95/p99/max "
@@ -767,10 +817,17 @@ def main(argv: list[str] | None = None) -> int:
             ("groups dropped too stale", "stale_share", "{:.3f}"),
             ("device idle, then a rollout", "idle_before_rollout", "{:.3f}"),
             ("device idle, then a train", "idle_before_train", "{:.3f}"),
+            ("device ms a rollout's group", "rollout_ms_group", "{:.2f}"),
+            ("device ms a train step", "train_ms", "{:.1f}"),
+            ("device gap a request (ms)", "gap_ms", "{:.1f}"),
+            ("model: GPU-busy, no gap", "model_busy_free", "{:.3f}"),
+            ("model: at the gap measured", "model_busy_gap", "{:.3f}"),
+            ("model: gap for 0.95 (ms)", "model_gap_095_ms", "{:.1f}"),
             ("busy: the device's core(s)", "core_device", "{:.2f}"),
             ("busy: the other core(s)", "core_rest", "{:.2f}")]
     print_table(rows, modes, results)
-    shown = ("traj_s", "gpu_busy", "heldout", "group_s", "busy_bound", "stale_share", "core_rest")
+    shown = ("traj_s", "gpu_busy", "heldout", "group_s", "busy_bound", "stale_share", "core_rest", "gap_ms",
+             "model_busy_free", "model_busy_gap", "model_gap_095_ms")
     out = {f"{m}_{k}": v for m, r in results.items() for k, v in r.items() if k in shown}
     if both:
         a, s = results["async"], results["sync"]

@@ -148,3 +148,62 @@ def test_the_longrun_benchmark_times_a_tick_on_a_short_and_a_long_run(tmp_path):
     assert {"tick_growth", "record_growth", "report_growth", "health_growth", "page_growth", "before_growth"} <= set(figures)
     assert float(figures["page_large_ms"]) > 0
     assert float(figures["tick_small_ms"]) > 0 and float(figures["tick_large_ms"]) > 0
+
+
+def _judge_delays(n: int = 5000) -> list[float]:
+    """bench/pipeline.py's judge: lognormal, median 100 ms, sigma 1, capped at 5 s."""
+    import math
+    import random
+
+    rng = random.Random(1)
+    return [min(5.0, math.exp(math.log(0.1) + rng.gauss(0.0, 1.0))) for _ in range(n)]
+
+
+def _limits(mode: str):
+    from webapp.runs.loop.tick import limits_for
+    from workers.pipeline.spec import RunSpec
+
+    return limits_for(RunSpec.model_validate({"pipeline": {"mode": mode, "max_staleness": 3}}))
+
+
+def test_the_pipeline_model_keeps_the_device_busy_only_when_nothing_stands_between_its_requests():
+    sys.path.insert(0, str(ROOT))
+    from bench.pipeline_model import simulate
+
+    work = dict(group_size=8, rollout_s=0.0128, train_s=0.07, judge_delays=_judge_delays(), seconds=60.0)
+    free = simulate(_limits("async"), **work)
+    # the real scheduler keeps the device fed through the judge's tail, within the staleness bound
+    assert free["gpu_busy"] > 0.98 and free["max_lag"] <= 3 and 0 < free["stale_share"] < 0.3, free
+    busy = [simulate(_limits("async"), gap_s=gap, **work)["gpu_busy"] for gap in (0.01, 0.03, 0.05)]
+    assert free["gpu_busy"] > busy[0] > busy[1] > busy[2], busy
+    sync = simulate(_limits("sync"), **work)  # on-policy: the device waits for each batch's slowest judge call
+    assert sync["gpu_busy"] < 0.4 and sync["max_lag"] == 0 and sync["traj_s"] < free["traj_s"] / 3, sync
+
+
+def test_the_pipeline_model_finds_the_largest_gap_that_reaches_a_gpu_busy_target():
+    sys.path.insert(0, str(ROOT))
+    from bench.pipeline_model import gap_for, simulate
+
+    work = dict(group_size=8, rollout_s=0.0128, train_s=0.07, judge_delays=_judge_delays(), seconds=60.0)
+    gap = gap_for(0.95, _limits("async"), **work)
+    assert 0 < gap < 0.05, gap
+    assert simulate(_limits("async"), gap_s=gap, **work)["gpu_busy"] >= 0.95
+    assert simulate(_limits("async"), gap_s=gap + 0.002, **work)["gpu_busy"] < 0.95
+    assert gap_for(0.95, _limits("sync"), **work) == 0.0  # not even with no gap
+
+
+def test_the_pipeline_benchmark_reads_device_seconds_and_gaps_from_the_device_log(tmp_path):
+    sys.path.insert(0, str(ROOT))
+    import json
+
+    from bench.pipeline import device_requests
+
+    rows = [{"method": "rollout", "end": 10.2, "seconds": 0.2, "prompts": 16},
+            {"method": "train", "end": 10.35, "seconds": 0.1},  # began 0.05 s after the rollout ended
+            {"method": "snapshot", "end": 10.36, "seconds": 0.001},  # not device work of the loop
+            {"method": "rollout", "end": 10.45, "seconds": 0.1, "prompts": 8},  # began as the train ended
+            {"method": "rollout", "end": 99.0, "seconds": 0.1, "prompts": 8}]  # outside the window
+    (tmp_path / "device-1.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    figures = device_requests(tmp_path, 10.0, 11.0)
+    assert abs(figures["rollout_s_group"] - 0.3 / 24) < 1e-9 and abs(figures["train_s"] - 0.1) < 1e-9, figures
+    assert abs(figures["gap_ms"] - 25.0) < 1e-6 and figures["rollout_groups"] == 12, figures

@@ -132,7 +132,7 @@ def _portable(exc: BaseException) -> BaseException:
 def serve_forever(conn: Connection) -> None:
     """Answer requests in arrival order until the socket closes: ``(id, ok, value, seconds, cpu)`` each, the
     request's wall and CPU seconds. With ``TEMPER_PROFILE`` (``workers/profiling.py``), each request is also
-    a line of ``device-<pid>.jsonl`` there."""
+    a line of ``device-<pid>.jsonl`` there (a rollout's with its number of prompts)."""
     where = os.environ.get("TEMPER_PROFILE")
     profile = Path(where) / f"device-{os.getpid()}.jsonl" if where else None
     while True:
@@ -148,7 +148,10 @@ def serve_forever(conn: Connection) -> None:
         reply = (rid, ok, value, time.monotonic() - started, time.process_time() - cpu)
         if profile is not None:
             with profile.open("a") as out:
-                out.write(json.dumps({"method": method, "end": time.time(), "seconds": reply[3], "cpu": reply[4]}) + "\n")
+                # a rollout's prompts too: bench/pipeline_model.py takes device seconds a group from them
+                items = {"prompts": len(args[1])} if method == "rollout" else {}
+                out.write(json.dumps({"method": method, "end": time.time(), "seconds": reply[3], "cpu": reply[4],
+                                      **items}) + "\n")
         try:
             conn.send(reply)
         except (EOFError, OSError):
