@@ -11,18 +11,31 @@ the device holds as it starts; a group's judging takes the slowest of its G judg
 ready groups. Between two device requests the device waits ``gap_s`` (the hand-off: what the real loop
 spends between one device stretch and the next, reduced to one number).
 
-Pure (no Django, no processes): ``bench/pipeline.py`` calls it with its measured figures and prints the
-model's GPU-busy at no gap and at the measured one, and the largest gap that still reaches 0.95.
+No processes and no database: ``bench/pipeline.py`` calls it with its measured figures and prints the
+model's GPU-busy at no gap and at the measured one, and the largest gap that still reaches 0.95. Run
+alone, it prints GPU-busy by max_staleness and gap on given device figures (SQLite's measured ones by
+default: docs/ARCHITECTURE.md's table):
+
+    .venv/bin/python bench/pipeline_model.py [--rollout-ms 3.53 --train-ms 182 --staleness 3,4,5,8]
 """
 
 from __future__ import annotations
 
+import argparse
 import heapq
+import math
+import os
 import random
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 
-from workers.pipeline.scheduler import DomainShare, GroupFacts, PipelineLimits, RunSnapshot, decide
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from workers.pipeline.scheduler import DomainShare, GroupFacts, PipelineLimits, RunSnapshot, decide  # noqa: E402
 
 
 @dataclass
@@ -143,3 +156,61 @@ def gap_for(target: float, limits: PipelineLimits, **kwargs: object) -> float:
         else:
             high = mid
     return low
+
+
+def judge_delays(median_ms: float = 100.0, sigma: float = 1.0, cap_s: float = 5.0, n: int = 30_000,
+                 seed: int = 1) -> list[float]:
+    """Delays of ``bench/pipeline.py``'s judge (lognormal, capped), drawn afresh."""
+    rng = random.Random(seed)
+    return [min(cap_s, math.exp(math.log(median_ms / 1000) + sigma * rng.gauss(0.0, 1.0))) for _ in range(n)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rollout-ms", type=float, default=3.53,
+                        help="device ms a rollout's group (bench/pipeline.py's row; SQLite's measured default)")
+    parser.add_argument("--train-ms", type=float, default=182.0, help="device ms a train step")
+    parser.add_argument("--staleness", default="3,4,5,8", help="max_staleness values, one row each")
+    parser.add_argument("--gaps-ms", default="0,10,20,43", help="gaps between device requests, one column each")
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--group", type=int, default=8)
+    parser.add_argument("--rollout-batch", type=int, default=16)
+    parser.add_argument("--judge-median-ms", type=float, default=100.0)
+    parser.add_argument("--judge-sigma", type=float, default=1.0)
+    parser.add_argument("--judge-cap-s", type=float, default=5.0)
+    parser.add_argument("--seconds", type=float, default=120.0, help="simulated seconds a cell")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "webapp.settings")
+    import django
+
+    django.setup()  # limits_for reads a setting; nothing touches a database
+    from webapp.runs.loop.tick import limits_for
+    from workers.pipeline.spec import RunSpec
+
+    gaps = [float(g) for g in args.gaps_ms.split(",")]
+    work = dict(group_size=args.group, rollout_s=args.rollout_ms / 1000, train_s=args.train_ms / 1000,
+                judge_delays=judge_delays(args.judge_median_ms, args.judge_sigma, args.judge_cap_s),
+                seconds=args.seconds)
+    print(f"model: B={args.batch} G={args.group}, rollout chunks of {args.rollout_batch}, {args.rollout_ms} ms of device "
+          f"a rollout's group, {args.train_ms} ms a train step; judge median {args.judge_median_ms:.0f} ms, sigma "
+          f"{args.judge_sigma}\n")
+    print(f"{'max_staleness':>13}" + "".join(f"{f'busy @{g:g} ms':>14}" for g in gaps)
+          + f"{'stale @0':>10}{'gap for 0.95':>14}")
+    out: dict[str, float] = {}
+    for staleness in (int(s) for s in args.staleness.split(",")):
+        limits = limits_for(RunSpec.model_validate({"pipeline": {
+            "mode": "async", "max_staleness": staleness, "batch_prompts": args.batch,
+            "rollout_batch_prompts": args.rollout_batch, "group_size": args.group}}))
+        cells = [simulate(limits, gap_s=g / 1000, **work) for g in gaps]
+        gap = 1000 * gap_for(0.95, limits, **work)
+        print(f"{staleness:>13}" + "".join(f"{c['gpu_busy']:>14.3f}" for c in cells)
+              + f"{cells[0]['stale_share']:>10.3f}"
+              + (f"{gap:>11.1f} ms" if gap else f"{'< 0.5 ms' if cells[0]['gpu_busy'] >= 0.95 else 'none':>14}"))
+        out[f"busy_free_s{staleness}"] = cells[0]["gpu_busy"]
+        out[f"gap_095_ms_s{staleness}"] = gap
+    print("\nresult: " + " ".join(f"{k}={v:.3f}" for k, v in out.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

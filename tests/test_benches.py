@@ -207,3 +207,15 @@ def test_the_pipeline_benchmark_reads_device_seconds_and_gaps_from_the_device_lo
     figures = device_requests(tmp_path, 10.0, 11.0)
     assert abs(figures["rollout_s_group"] - 0.3 / 24) < 1e-9 and abs(figures["train_s"] - 0.1) < 1e-9, figures
     assert abs(figures["gap_ms"] - 25.0) < 1e-6 and figures["rollout_groups"] == 12, figures
+
+
+def test_the_pipeline_model_runs_alone_and_prints_gpu_busy_by_staleness():
+    out = subprocess.run([sys.executable, "bench/pipeline_model.py", "--seconds", "20", "--staleness", "3,8",
+                          "--gaps-ms", "0,20"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    last = out.stdout.strip().splitlines()[-1]
+    assert last.startswith("result: "), last
+    figures = {k: float(v) for k, v in (kv.split("=") for kv in last.removeprefix("result: ").split())}
+    # a looser staleness bound keeps the device busier, and leaves more room for the hand-off between requests
+    assert figures["busy_free_s8"] > figures["busy_free_s3"] > 0.5, figures
+    assert figures["gap_095_ms_s8"] > figures["gap_095_ms_s3"], figures
