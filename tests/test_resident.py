@@ -43,6 +43,45 @@ def test_an_engine_switches_between_two_runs_versions_of_the_same_number(tmp_pat
     assert resident.serves(engine) == (None, 0)
 
 
+def test_a_version_saved_anew_under_its_number_is_served_anew(tmp_path: Path):
+    """A step given up after its version was saved (its record failed) is trained again and saved under the
+    same number: an engine that still serves (run, number) must load the new copy, not keep the old one."""
+    import shutil
+
+    engine = resident.engine_for("torch", DEMO_DIR)
+    prompts = [f"{a}+{b}=" for a in range(10, 30) for b in (11, 47)]
+    v1 = tmp_path / "runs" / "1" / "v1"
+    make_lora_version(DEMO_DIR, v1, version=1, seed=1, scale=0.5)
+    resident.serve(engine, 1, 1, v1)
+    abandoned = greedy(engine, prompts)
+    shutil.rmtree(v1)
+    make_lora_version(DEMO_DIR, v1, version=1, seed=2, scale=0.5)  # the step trained again, saved again
+    resident.serve(engine, 1, 1, v1)
+    again = greedy(engine, prompts)
+    assert again != abandoned
+    fresh = resident.engine_for("torch", DEMO_DIR, seed=1)  # another engine, loading only the new copy
+    resident.serve(fresh, 1, 1, v1)
+    assert greedy(fresh, prompts) == again
+
+
+def test_a_second_delivery_of_a_train_step_in_the_same_process_trains_nothing():
+    """``run_step`` trains a run's step only if this process is not training one of that run already (a
+    message delivered twice, or re-sent while a step trained ahead was being recorded); a second copy would
+    train it beside the first and save over its version's files."""
+    from webapp.runs.loop import training
+
+    with resident.training(7) as first:
+        assert first is not None
+        with resident.training(7, exclusive=True) as second:
+            assert second is None
+        # nothing of the run is read: the step under way is left alone, and still registered
+        assert training.run_step(7, 3, "gpu@test") is None
+        assert resident._STEPS[7] is first
+    with resident.training(7, exclusive=True) as third:
+        assert third is not None and resident._STEPS[7] is third
+    assert 7 not in resident._STEPS
+
+
 def test_the_least_recently_used_are_evicted_to_stay_within_the_budget(monkeypatch: pytest.MonkeyPatch):
     from workers.policy.trainer import TrainerConfig
 

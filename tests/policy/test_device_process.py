@@ -140,6 +140,41 @@ def test_a_device_process_killed_mid_request_fails_it_and_the_next_request_start
     assert len(again.samples) == 4 * SAMPLING.n and client.pid not in (None, first) and client.starts == 2
 
 
+def test_a_request_that_does_not_pickle_fails_alone(client):
+    """Arguments that cannot be sent fail their own request, here, and leave nothing pending; the child
+    goes on serving."""
+    future = client.submit("ping", lambda: None)
+    with pytest.raises(Exception, match="pickle"):
+        future.result(timeout=5)
+    assert future not in client._link.pending.values()
+    assert client.call("ping") == client.pid
+
+
+def test_a_request_sent_as_the_child_exits_is_failed_once():
+    """The reader thread fails every pending request when the child exits; a send failing at the same moment
+    must not fail its request a second time (``InvalidStateError``)."""
+    client = device_process.DeviceClient()
+    link = client._ensure()
+
+    class Dying:
+        def send(self, message: object) -> None:  # the child exits mid-send: the reader takes the pending ones
+            with link.lock:
+                lost, link.pending = link.pending, {}
+            for f in lost.values():
+                f.set_exception(device_process.DeviceProcessLost("the device process exited (-9) during the request"))
+            raise BrokenPipeError("broken pipe")
+
+    real, link.conn = link.conn, Dying()
+    try:
+        future = client._send(link, "ping", ())
+        with pytest.raises(device_process.DeviceProcessLost, match="exited"):
+            future.result(timeout=5)
+        assert not link.pending
+    finally:
+        link.conn = real
+        client.close()
+
+
 def test_two_threads_serving_different_versions_do_not_mix(client):
     engine = client.engine_for("torch", DEMO_DIR)
     seen: dict[str, object] = {}

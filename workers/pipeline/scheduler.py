@@ -124,6 +124,8 @@ class RunSnapshot:
     train_claim: int | None = None
     train_claim_age_s: float = 0.0
     train_holder_gone: str | None = None
+    train_holder_alive: bool = False
+    """The train claim's holder is recorded and its heartbeat says it still works on it."""
     recovering: bool = False
     """The periodic recovery tick: also look for stranded work."""
     broker_reset: bool = False
@@ -306,7 +308,11 @@ def _recover(snap: RunSnapshot, limits: PipelineLimits, tick: Tick, skip: set[in
         else:
             tick.reverify.append(g.id)
     if snap.train_claim is not None:
-        if snap.broker_reset:
+        # A claim a live worker holds is being trained there (a train task took it, or a generate task trained
+        # it ahead): it is in no queue the broker lost, and a copy sent now would train the step a second
+        # time beside it (the version's files overwritten by the copy's). Its task finishes it, or its failure
+        # re-sends it; the stall rule below still applies.
+        if snap.broker_reset and not snap.train_holder_alive:
             tick.resend_train = "the broker lost its queued messages"
         elif snap.train_holder_gone is not None:
             tick.resend_train = snap.train_holder_gone

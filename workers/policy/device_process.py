@@ -146,12 +146,16 @@ def serve_forever(conn: Connection) -> None:
         except Exception as exc:
             value, ok = _portable(exc), False
         reply = (rid, ok, value, time.monotonic() - started, time.process_time() - cpu)
+        ended = time.time()
         if profile is not None:
             with profile.open("a") as out:
-                # a rollout's prompts too: bench/pipeline_model.py takes device seconds a group from them
-                items = {"prompts": len(args[1])} if method == "rollout" else {}
-                out.write(json.dumps({"method": method, "end": time.time(), "seconds": reply[3], "cpu": reply[4],
-                                      **items}) + "\n")
+                # a rollout's prompts too: bench/pipeline_model.py takes device seconds a group from them; and
+                # whether it failed, or a step queued ahead trained nothing (not a step's device time)
+                items: dict[str, Any] = {"prompts": len(args[1])} if method == "rollout" else {}
+                if method == "train" and ok:
+                    items["trained"] = value is not None
+                out.write(json.dumps({"method": method, "end": ended, "seconds": reply[3], "cpu": reply[4],
+                                      "ok": ok, **items}) + "\n")
         try:
             conn.send(reply)
         except (EOFError, OSError):
@@ -172,6 +176,7 @@ def _watch_parent(parent: int) -> None:
 def main(argv: Sequence[str]) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the terminal's Ctrl-C: the worker stops first, then us
     resident.pin_device_cpus()
+    os.set_inheritable(int(argv[0]), False)  # a process the child starts must not keep the worker's socket open
     conn = Connection(int(argv[0]))
     threading.Thread(target=_watch_parent, args=(int(argv[1]),), name="temper-watch-parent", daemon=True).start()
     resident.warm_up().join()  # before the first request, which needs them anyway
@@ -225,6 +230,9 @@ class DeviceClient:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "workers.policy.device_process", str(theirs.fileno()), str(os.getpid())],
                 pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL)
+        except BaseException:
+            ours.close()
+            raise
         finally:
             theirs.close()
         link = self._link = _Link(proc, ours, Connection(os.dup(ours.fileno())))
@@ -241,10 +249,14 @@ class DeviceClient:
             link.pending[rid] = future
         try:
             link.conn.send((rid, method, args))
-        except OSError as exc:
+        except Exception as exc:
+            # Failed here unless the reader thread, seeing the child exit, failed it first (it takes every
+            # pending future). Arguments that do not pickle fail this request alone; nothing was written.
             with link.lock:
-                link.pending.pop(rid, None)
-            future.set_exception(DeviceProcessLost(f"the device process is gone ({exc})"))
+                mine = link.pending.pop(rid, None) is not None
+            if mine:
+                future.set_exception(DeviceProcessLost(f"the device process is gone ({exc})")
+                                     if isinstance(exc, OSError) else exc)
         return future
 
     def submit(self, method: str, *args: Any) -> Future[Any]:

@@ -55,6 +55,8 @@ class _Resident:
     bytes: int
     serves: tuple[int | None, int] = (None, 0)
     """(run id, version number) an engine currently serves; (None, 0) is the base model."""
+    stamp: tuple[int, int] | None = None
+    """Which copy of that version's files it loaded (``_stamp``)."""
     used: float = 0.0
 
 
@@ -123,6 +125,9 @@ class TrainStep:
     recorded: threading.Event = field(default_factory=threading.Event)
     version: tuple[int, Path] | None = None
     step: int | None = None
+    ok: bool = False
+    """Set when its version is recorded (before ``recorded``): a confirmed step can still be given up (its
+    record failed), and samples taken from its version must then not be written."""
 
     def confirm(self, step: int, number: int, version_dir: Path) -> None:
         self.step, self.version = step, (number, version_dir)
@@ -130,11 +135,17 @@ class TrainStep:
 
 
 @contextmanager
-def training(run_id: int) -> Iterator[TrainStep]:
-    """A train step of the run is under way in this process until its version is recorded."""
+def training(run_id: int, exclusive: bool = False) -> Iterator[TrainStep | None]:
+    """A train step of the run is under way in this process until its version is recorded. ``exclusive``:
+    yields None, and registers nothing, when one is under way already (a second delivery of its message)."""
     step = TrainStep()
     with _STEPS_LOCK:
-        _STEPS[run_id] = step
+        taken = exclusive and run_id in _STEPS
+        if not taken:
+            _STEPS[run_id] = step
+    if taken:
+        yield None
+        return
     try:
         yield step
     finally:
@@ -345,17 +356,31 @@ def engine_for(name: str, base_model_dir: Path, seed: int = 0, chat_template: st
     return found.obj
 
 
+def _stamp(version_dir: Path | None) -> tuple[int, int] | None:
+    """Which copy of a version's files ``version_dir`` holds: its metadata file's inode and mtime. A step given
+    up after it was saved (its record failed) is trained again and saved anew under the same number; an
+    engine that compared (run, number) only kept serving the abandoned copy."""
+    if version_dir is None:
+        return None
+    try:
+        st = os.stat(Path(version_dir) / "metadata.json")
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns
+
+
 def serve(engine: Any, run_id: int, version: int, version_dir: Path | None) -> None:
-    """Point a resident engine at version ``version`` of run ``run_id`` unless it serves exactly that."""
+    """Point a resident engine at version ``version`` of run ``run_id`` unless it serves exactly that copy."""
     if _REMOTE is not None:
         _REMOTE.serve(engine, run_id, version, version_dir)
         return
     wanted = (None, 0) if version == 0 else (run_id, version)
+    stamp = _stamp(version_dir) if version else None
     for resident in _ENGINES.values():
         if resident.obj is engine:
-            if resident.serves != wanted:
+            if resident.serves != wanted or resident.stamp != stamp:
                 engine.set_version(version_dir)
-                resident.serves = wanted
+                resident.serves, resident.stamp = wanted, stamp
             return
     engine.set_version(version_dir)  # not one of ours (a test's own engine): no memory of what it serves
 

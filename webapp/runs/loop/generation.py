@@ -10,6 +10,7 @@ sample count, so a redelivered task writes nothing twice.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -20,7 +21,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from webapp.common.bulk import insert_ignoring_conflicts
-from webapp.runs.loop import live, paths, tick, training
+from webapp.runs.loop import live, paths, recovery, tick, training
 from webapp.runs.loop.admission import UNFIT
 from webapp.runs.loop.tick import wake_deferred
 from webapp.runs.loop.verification import judged_inline, next_step, outcome, verdict_fields
@@ -30,6 +31,7 @@ from workers.pipeline.spec import RunSpec
 from workers.policy import resident
 from workers.policy.chat import prompt_text, task_messages
 
+log = logging.getLogger(__name__)
 G = PromptGroup.Status
 ENDED = TERMINAL_STATUSES
 
@@ -159,6 +161,7 @@ def generate(run_id: int, group_ids: list[int], holder: str) -> int:
     judged: dict[int, tuple[list[Any], float]] = {}
     device_s = 0.0
     ahead: training.Ahead | None = None
+    trained: resident.TrainStep | None = None
     eligible = False
     try:
         if single:
@@ -202,6 +205,18 @@ def generate(run_id: int, group_ids: list[int], holder: str) -> int:
         waits = [(claimed_at - g.created_at).total_seconds() for g in groups]
         # Samples of a version trained ahead (``trained``) are written once that version is recorded.
         resident.recorded(run_id)
+        if trained is not None and not (trained.recorded.wait(120.0) and trained.ok):
+            # Its step was given up after it was confirmed (its record failed, or it outlasted the wait): the
+            # samples are of no recorded version. None is written; the groups are generated again.
+            if ahead is not None:
+                training.give_up(run_id, ahead)
+                ahead.leave.close()
+            attempt = recovery.release_generation(group_ids)
+            if attempt is not None:
+                messages.generate(run_id, group_ids, attempt)
+            log.warning("run %s: version %s, which this rollout sampled, was not recorded; its %d groups are "
+                        "generated again", run_id, trained.version[0] if trained.version else "?", len(groups))
+            return 0
         write = partial(write_samples, run_id, {g.pk: g for g in groups}, rows, generate_s=device_s,
                         wait_s=sum(waits) / len(waits), judged=judged, max_retries=spec.pipeline.invalid_retries)
         if ahead is None:

@@ -98,7 +98,9 @@ def snapshot(run: Run, spec: RunSpec, *, recovering: bool = False, broker_reset:
                    if liveness and claim and holder and held_at else None)
     return RunSnapshot(status=run.status, version=run.latest_version, step=run.step, trained=trained, groups=groups,
                        domains=domains, train_claim=int(claim) if claim else None, train_claim_age_s=claim_age,
-                       train_holder_gone=holder_gone, recovering=recovering, broker_reset=broker_reset,
+                       train_holder_gone=holder_gone,
+                       train_holder_alive=bool(liveness and claim and holder and held_at and holder_gone is None),
+                       recovering=recovering, broker_reset=broker_reset,
                        share=_share(run, spec) if run.status == RunStatus.RUNNING else Share(share=spec.share))
 
 

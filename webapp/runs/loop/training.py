@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import math
 import time
 import uuid
@@ -38,6 +39,7 @@ from workers import messages
 from workers.pipeline.spec import RunSpec
 from workers.policy import resident
 
+log = logging.getLogger(__name__)
 G = PromptGroup.Status
 TRAIN_CLAIM_KEYS = ("train_claim", "train_claim_at", "train_holder", "train_held_at")
 SAMPLE_FIELDS = ("prompt", "prompt_token_ids", "completion_token_ids", "completion", "behaviour_logprobs",
@@ -166,7 +168,15 @@ def run_step(run_id: int, step: int, holder: str) -> int | None:
     """Claim, train, save and record step ``step``; the new version's number (None when nothing was done).
     A rollout task of this run in this process waits meanwhile (``resident.training``): prompts admitted
     while it trains are meant for the version it produces."""
-    with resident.training(run_id):
+    with resident.training(run_id, exclusive=True) as under_way:
+        if under_way is None:
+            # This process trains a step of the run already (this step: its message delivered twice, or
+            # re-sent while a step trained ahead was being recorded). A second copy would train it again
+            # beside the first and save over its version's files; the first records it, or its failure
+            # re-sends it.
+            log.info("run %s: train step %s is under way in this process already; not trained twice",
+                     run_id, step)
+            return None
         version = _run_step(run_id, step, holder)
     if version is not None:
         after_step(run_id, step)
@@ -282,6 +292,8 @@ class Ahead:
     handle: Any = None
     """``resident.training``'s step, once ``enter``: the run's next rollout waits on it."""
     started: float = field(default_factory=time.monotonic)
+    charged: bool = False
+    """Its device seconds are charged to the run (``live.account_busy``): once only."""
 
     @property
     def step(self) -> int:
@@ -357,6 +369,7 @@ def conclude_ahead(run_id: int, ahead: Ahead, claimed: int | None, eligible: boo
         if groups and [g.pk for g in groups] == ahead.group_ids:
             ahead.handle.confirm(ahead.step, ahead.version, ahead.out)  # the next rollout may ask for it now
             version = _record_ahead(run, ahead, groups)
+            ahead.handle.ok = True  # its samples may be written (``leave`` sets ``recorded``)
         else:
             give_up(run_id, ahead)
             if claimed is not None:
@@ -381,6 +394,7 @@ def _record_ahead(run: Run, ahead: Ahead, groups: list[PromptGroup]) -> int:
     if result is None:
         raise RuntimeError(f"the device process did not train step {ahead.step} ahead, though its batch was whole")
     live.account_busy(run.pk, seconds, cpu)
+    ahead.charged = True
     ids = {(key, index): tid for key, index, tid in Trajectory.objects.filter(
         run_id=run.pk, group_key__in=[g.key for g in groups]).values_list("group_key", "sample_index", "id")}
     return record(run, ahead.step, groups,
@@ -399,6 +413,7 @@ def give_up(run_id: int, ahead: Ahead) -> None:
     except Exception:  # it failed on the device: what it left of the trainer is not to be trusted
         result, seconds, cpu = True, 0.0, 0.0
     if result is not None:
-        live.account_busy(run_id, seconds, cpu)
+        if not ahead.charged:  # a step whose record failed was charged already
+            live.account_busy(run_id, seconds, cpu)
         with contextlib.suppress(Exception):  # a device process that died has no trainer left anyway
             resident.drop_trainer(run_id)
