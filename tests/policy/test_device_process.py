@@ -237,3 +237,33 @@ def test_the_device_is_pinned_to_cpus_of_its_own_when_asked():
     none = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True,
                           env={**os.environ, "TEMPER_DEVICE_CPUS": "none"}).stdout
     assert none.startswith("[] ")
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_a_device_process_started_again_keeps_the_device_cpus():
+    """The worker moves its threads off the device's CPUs once the child has them; a child started again
+    later (the first one died) is started from such a thread and must still be pinned to them."""
+    before = os.sched_getaffinity(0)
+    env = {k: v for k, v in os.environ.items() if k != "TEMPER_DEVICE_CPUS"}
+    client = device_process.DeviceClient(env={**env, "TEMPER_DEVICE": "cpu", "TEMPER_TORCH_THREADS": "1"})
+    try:
+        device = {max(before)}
+        client.start()
+        assert client.call("ping") == client.pid  # it answers once pinned and warmed up
+        assert os.sched_getaffinity(client.pid) == device
+        os.sched_setaffinity(0, before - device)  # as keep_off_device_cpus leaves this thread
+        first = client.pid
+        os.kill(first, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while True:  # requests fail until the worker has seen the child exit; the next one starts another
+            try:
+                pid = client.call("ping")
+                break
+            except device_process.DeviceProcessLost:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+        assert pid == client.pid != first
+        assert os.sched_getaffinity(client.pid) == device
+    finally:
+        os.sched_setaffinity(0, before)
+        client.close()

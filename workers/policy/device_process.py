@@ -214,6 +214,9 @@ class DeviceClient:
         self.placement: Future[Any] | None = None
         """The child's placement (``resident.placement``), asked for as it starts."""
         self._engines: dict[tuple[str, str, int, str], RemoteEngine] = {}
+        self._cpus = resident.device_cpus()
+        """The device's CPUs, decided once, here: a child started again later is started by a thread that
+        ``keep_off_device_cpus`` moved off them, and inherits that; deciding from it, it lost its core."""
 
     def start(self) -> None:
         with self._send_lock:
@@ -226,6 +229,7 @@ class DeviceClient:
         ours, theirs = socket.socketpair()
         env = dict(self._env if self._env is not None else os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+        env["TEMPER_DEVICE_CPUS"] = ",".join(map(str, sorted(self._cpus))) if self._cpus else "none"
         try:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "workers.policy.device_process", str(theirs.fileno()), str(os.getpid())],
