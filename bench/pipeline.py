@@ -433,11 +433,14 @@ def measure(mode: str, args: argparse.Namespace, owner: Any, base_model: Any, do
     run = do_create_run(owner, name=f"bench {mode}", base_model=base_model, domains=[DomainWeight(domain)],
                         spec=spec_for(mode, args))
     do_start_run(run, force=True)
+    # The window opens once the pipeline is full, the same step for both modes: at step 1 async still holds
+    # groups sampled before it opened (their device time outside the window, their trajectories in it).
+    warm = args.staleness + 2
     deadline = time.monotonic() + 180
-    while Run.objects.get(pk=run.pk).step < 1:
+    while Run.objects.get(pk=run.pk).step < warm:
         procs.check()
         if time.monotonic() > deadline:
-            raise SystemExit(f"{mode}: no train step within 180 s; see {procs.workdir}/*.log")
+            raise SystemExit(f"{mode}: not {warm} train steps within 180 s; see {procs.workdir}/*.log")
         time.sleep(0.05)
     from django.utils import timezone
 
@@ -467,7 +470,17 @@ def measure(mode: str, args: argparse.Namespace, owner: Any, base_model: Any, do
     step1, version = run.step, run.latest_version
     do_cancel_run(run, reason="benchmark window over")
     trained = Trajectory.objects.filter(run=run, trained_step__gt=step0, trained_step__lte=step1).count()
-    gpu_busy = (beat1.busy_seconds - beat0.busy_seconds) / (beat1.last_seen - beat0.last_seen).total_seconds()
+    if step1 <= step0 or not trained:
+        raise SystemExit(f"{mode}: no train step recorded in the {seconds:.0f} s window (steps {step0}-{step1}); "
+                         f"see {procs.workdir}/*.log")
+    # Trajectories a second between the records of the window's first and last steps: counted in whole steps,
+    # over whole steps (a window's end falls inside a step; sync's ~2 s steps lost ~1.5 % of its rate to it).
+    recorded = dict(PolicyVersion.objects.filter(run=run, step__in=(step0, step1)).values_list("step", "created_at"))
+    span = (recorded[step1] - recorded[step0]).total_seconds()
+    beat_s = (beat1.last_seen - beat0.last_seen).total_seconds()
+    if beat_s <= 0:
+        raise SystemExit(f"{mode}: the GPU worker's heartbeat did not move in the window; see {procs.workdir}/gpu.log")
+    gpu_busy = (beat1.busy_seconds - beat0.busy_seconds) / beat_s
     latencies = sorted(ms for ms in Trajectory.objects.filter(run=run, is_eval=False)
                        .values_list("verify_latency_ms", flat=True) if ms is not None)
     extra: dict[str, float] = {}
@@ -521,7 +534,8 @@ def measure(mode: str, args: argparse.Namespace, owner: Any, base_model: Any, do
         "core_rest": statistics.fmean(off_device) if off_device else math.nan,
         "device_ms": 1000 * device / max(trained, 1),
         "device_cpu_ms": 1000 * device_cpu / max(trained, 1),
-        "traj_s": trained / seconds,
+        "traj_s": trained / span,
+        "span_s": span,
         "gpu_busy": gpu_busy,
         "heldout": reward,
         "steps": float(step1 - step0),
@@ -575,8 +589,8 @@ def device_requests(profile: Path, start: float, end: float) -> dict[str, float]
     (the device's idle time over the requests that ended it)."""
     rows = [r for path in profile.glob("device-*.jsonl") for r in map(json.loads, path.read_text().splitlines())
             if r.get("method") in ("rollout", "train") and start < r["end"] <= end]
-    rollouts = [r for r in rows if r["method"] == "rollout" and r.get("prompts")]
-    trains = [r for r in rows if r["method"] == "train"]
+    rollouts = [r for r in rows if r["method"] == "rollout" and r.get("prompts") and r.get("ok", True)]
+    trains = [r for r in rows if r["method"] == "train" and r.get("ok", True) and r.get("trained", True)]
     spans = sorted((r["end"] - r["seconds"], r["end"]) for r in rows)
     gaps = [max(0.0, began - ended) for (_, ended), (began, _) in itertools.pairwise(spans)]
     rollout_s_group = sum(r["seconds"] for r in rollouts) / max(1, sum(r["prompts"] for r in rollouts))
@@ -808,7 +822,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [("trajectories/s", "traj_s", "{:.1f}"), ("GPU-busy fraction", "gpu_busy", "{:.3f}"),
             ("device ms/trajectory", "device_ms", "{:.2f}"), ("  of it device-thread CPU", "device_cpu_ms", "{:.2f}"),
             ("held-out reward", "heldout", "{:.3f}"), ("train steps in window", "steps", "{:.0f}"),
-            ("window (s)", "seconds", "{:.1f}"), ("verify p50 (ms/sample)", "verify_p50_ms", "{:.0f}"),
+            ("window (s)", "seconds", "{:.1f}"), ("  first to last step (s)", "span_s", "{:.1f}"), ("verify p50 (ms/sample)", "verify_p50_ms", "{:.0f}"),
             ("verify p95 (ms/sample)", "verify_p95_ms", "{:.0f}"),
             ("group in pipeline (s)", "group_s", "{:.2f}"),
             ("  waiting for a rollout", "admitted_s", "{:.2f}"), ("  verifying", "verifying_s", "{:.2f}"),

@@ -126,9 +126,11 @@ def run_grpo(
             info["collapse"] = metrics.collapse_reason
         last = step == max_steps or time.monotonic() - started > time_budget_s
         if step % eval_every == 0 or last:
+            evaluated = time.monotonic()
             after = heldout_accuracy(eng, heldout, stop=stop)
             best = max(best, after)
             info["heldout"] = after
+            info["eval_s"] = time.monotonic() - evaluated
         report.history.append(info)
         if progress is not None:
             progress(info)
