@@ -182,3 +182,49 @@ def device_child(worker_pid: int) -> int:
         if ppid == worker_pid and b"workers.policy.device_process" in cmdline:
             return int(entry.name)
     raise AssertionError(f"worker {worker_pid} has no device process")
+
+
+def test_samples_of_a_confirmed_step_that_is_given_up_are_not_written(api, user, domain, redis_url, tmp_path,
+                                                                      monkeypatch):
+    """A step trained ahead is confirmed before it is recorded, so the run's next rollout samples from its
+    version meanwhile. If the step is then given up (its record failed), those samples are of no recorded
+    version: none is written, and the groups go back to be generated again."""
+    import threading
+
+    from tests.policy.conftest import DEMO_DIR, make_lora_version
+    from workers.policy import resident
+
+    run_id = create_run(api, user, domain, "confirmed, then given up")
+    services.do_start_run(Run.objects.get(pk=run_id), actor=user)
+    tick.advance(run_id)  # running: four prompts admitted
+    group_ids = list(PromptGroup.objects.filter(run_id=run_id).values_list("pk", flat=True))
+    v1 = make_lora_version(DEMO_DIR, tmp_path / "v1", version=1, seed=1)
+    waiting = threading.Event()
+    real_recorded = resident.recorded
+
+    def recorded(run: int, timeout: float = 120.0) -> None:
+        waiting.set()  # the rollout is done and waits for the step's record
+        real_recorded(run, timeout)
+
+    monkeypatch.setattr(resident, "recorded", recorded)
+    written: list[int] = []
+    with resident.training(run_id) as step:
+        assert step is not None
+        step.confirm(1, 1, v1)  # as conclude_ahead does before it records
+        def rollout() -> None:
+            from django.db import connection
+
+            try:
+                written.append(generation.generate(run_id, group_ids, "test@here"))
+            finally:
+                connection.close()  # this thread's own
+
+        worker = threading.Thread(target=rollout)
+        worker.start()
+        assert waiting.wait(120)
+        # leaving without ``step.ok``: the step was given up
+    worker.join(120)
+    assert written == [0]
+    assert not Trajectory.objects.filter(run_id=run_id).exists()
+    groups = PromptGroup.objects.filter(pk__in=group_ids)
+    assert {(g.status, g.attempt, g.holder) for g in groups} == {("admitted", 1, "")}
