@@ -200,13 +200,14 @@ def test_samples_of_a_confirmed_step_that_is_given_up_are_not_written(api, user,
     group_ids = list(PromptGroup.objects.filter(run_id=run_id).values_list("pk", flat=True))
     v1 = make_lora_version(DEMO_DIR, tmp_path / "v1", version=1, seed=1)
     waiting = threading.Event()
-    real_recorded = resident.recorded
+    real_rollout = resident.rollout
 
-    def recorded(run: int, timeout: float = 120.0) -> None:
-        waiting.set()  # the rollout is done and waits for the step's record
-        real_recorded(run, timeout)
+    def rollout_then_signal(*args, **kwargs):
+        out = real_rollout(*args, **kwargs)
+        waiting.set()  # sampled from the confirmed version; next it waits for the step's record
+        return out
 
-    monkeypatch.setattr(resident, "recorded", recorded)
+    monkeypatch.setattr(resident, "rollout", rollout_then_signal)
     written: list[int] = []
     with resident.training(run_id) as step:
         assert step is not None

@@ -146,8 +146,8 @@ def serve_forever(conn: Connection) -> None:
         except Exception as exc:
             value, ok = _portable(exc), False
         reply = (rid, ok, value, time.monotonic() - started, time.process_time() - cpu)
-        ended = time.time()
         if profile is not None:
+            ended = time.time()  # before the file is opened
             with profile.open("a") as out:
                 # a rollout's prompts too: bench/pipeline_model.py takes device seconds a group from them; and
                 # whether it failed, or a step queued ahead trained nothing (not a step's device time)
@@ -214,7 +214,7 @@ class DeviceClient:
         self.placement: Future[Any] | None = None
         """The child's placement (``resident.placement``), asked for as it starts."""
         self._engines: dict[tuple[str, str, int, str], RemoteEngine] = {}
-        self._cpus = resident.device_cpus()
+        self._cpus = resident.device_cpus(env)
         """The device's CPUs, decided once, here: a child started again later is started by a thread that
         ``keep_off_device_cpus`` moved off them, and inherits that; deciding from it, it lost its core."""
 

@@ -35,7 +35,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -226,22 +226,23 @@ def warm_up() -> threading.Thread:
     return thread
 
 
-def device_cpus() -> frozenset[int] | None:
+def device_cpus(env: Mapping[str, str] | None = None) -> frozenset[int] | None:
     """The CPUs a device process keeps for itself (``TEMPER_DEVICE_CPUS``): ``auto``, the default, is the last
     ``TEMPER_TORCH_THREADS`` of the CPUs this process may use, when it may use more and the device is the
     CPU (``TEMPER_DEVICE`` not CUDA, or ``auto`` on a machine without an NVIDIA driver); a list such as ``3``
     or ``2,3``; ``none``. None when not pinned. Pure: no torch (``manage.py up`` asks it before any role
-    starts, to keep the others off those CPUs)."""
-    spec = (os.environ.get("TEMPER_DEVICE_CPUS") or "auto").strip().lower()
+    starts, to keep the others off those CPUs). ``env``: the environment to read, this process's by default."""
+    env = os.environ if env is None else env
+    spec = (env.get("TEMPER_DEVICE_CPUS") or "auto").strip().lower()
     if spec == "none":
         return None
     if spec != "auto":
         return frozenset(int(c) for c in spec.split(",") if c.strip())
-    device = (os.environ.get("TEMPER_DEVICE") or "auto").strip().lower()
+    device = (env.get("TEMPER_DEVICE") or "auto").strip().lower()
     if device.startswith("cuda") or (device == "auto" and Path("/dev/nvidiactl").exists()):
         return None
     allowed = sorted(os.sched_getaffinity(0))
-    threads = int(os.environ.get("TEMPER_TORCH_THREADS") or 1)
+    threads = int(env.get("TEMPER_TORCH_THREADS") or 1)
     return frozenset(allowed[-threads:]) if len(allowed) > threads else None
 
 

@@ -204,8 +204,9 @@ def generate(run_id: int, group_ids: list[int], holder: str) -> int:
             return 0
         waits = [(claimed_at - g.created_at).total_seconds() for g in groups]
         # Samples of a version trained ahead (``trained``) are written once that version is recorded.
-        resident.recorded(run_id)
-        if trained is not None and not (trained.recorded.wait(120.0) and trained.ok):
+        if trained is None:
+            resident.recorded(run_id)
+        elif not (trained.recorded.wait(120.0) and trained.ok):
             # Its step was given up after it was confirmed (its record failed, or it outlasted the wait): the
             # samples are of no recorded version. None is written; the groups are generated again.
             if ahead is not None:
