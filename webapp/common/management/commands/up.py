@@ -2,7 +2,8 @@
 
 The processes of a deployment are defined once, here (``ROLES``): ``up`` starts the embedded Redis
 (when ``REDIS_URL`` is unset) and every role as its child, ensures the demo login, prints the URL, and on
-Ctrl-C (SIGINT) or SIGTERM stops every child and waits for it, so nothing is left behind.
+Ctrl-C (SIGINT) or SIGTERM stops every child and waits for it, so nothing is left behind; one that comes while
+``up`` is still importing is recorded by ``manage.py`` (``webapp.common.early_signals``) and honoured once it runs.
 ``up --role NAME`` runs one role in the foreground instead (it replaces itself with the role's process):
 that is what each service of ``docker-compose.yml`` runs, so a cluster and ``make run`` start the same
 processes with the same options (a test holds the compose file to this table).
@@ -163,9 +164,14 @@ class Command(BaseCommand):
         self.stopping = False
         signal.signal(signal.SIGINT, self._on_signal)
         signal.signal(signal.SIGTERM, self._on_signal)
+        from webapp.common import early_signals
+
+        if early_signals.received:  # Ctrl-C while this process was still importing: start nothing
+            self._on_signal(early_signals.received[0], None)
         try:
-            self._start(opts)
-            self._watch()
+            if not self.stopping:
+                self._start(opts)
+                self._watch()
         finally:
             self._stop()
 
