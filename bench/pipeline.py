@@ -55,7 +55,7 @@ The last line is ``result: key=value ...``; ``pass=true`` when async reaches >= 
 trajectories/s, a GPU-busy fraction >= 0.95, async device ms/trajectory <= 1.1x sync's, and a held-out
 reward no worse than sync's (within ``--reward-tolerance``): the bars of "the machinery costs nothing"
 (``missed:`` names each one missed). On this 2-core machine the GPU-busy bar is not met on the demo model
-(0.56-0.72); on the demo model widened 2-4x it is 0.86-1.0, where the 3x bar is not: see
+(0.71-0.81); on the demo model widened 2-4x it is 0.86-1.0, where the 3x bar is not: see
 docs/ARCHITECTURE.md, "What the machinery costs per step". The CPU rows show what each process used,
 and ``others`` what the rest of the machine did meanwhile: on a shared 2-core machine that load slows the
 "GPU" (a CPU core) directly.

@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -184,12 +185,27 @@ def device_child(worker_pid: int) -> int:
     raise AssertionError(f"worker {worker_pid} has no device process")
 
 
+def generate_in_thread(run_id: int, group_ids: list[int], out: list[int]) -> threading.Thread:
+    """``generation.generate`` on a thread of its own (as a GPU worker's second task), its result put in ``out``."""
+
+    def rollout() -> None:
+        from django.db import connection
+
+        try:
+            out.append(generation.generate(run_id, group_ids, "test@here"))
+        finally:
+            connection.close()  # this thread's own
+
+    worker = threading.Thread(target=rollout)
+    worker.start()
+    return worker
+
+
 def test_samples_of_a_confirmed_step_that_is_given_up_are_not_written(api, user, domain, redis_url, tmp_path,
                                                                       monkeypatch):
     """A step trained ahead is confirmed before it is recorded, so the run's next rollout samples from its
     version meanwhile. If the step is then given up (its record failed), those samples are of no recorded
     version: none is written, and the groups go back to be generated again."""
-    import threading
 
     from tests.policy.conftest import DEMO_DIR, make_lora_version
     from workers.policy import resident
@@ -212,16 +228,7 @@ def test_samples_of_a_confirmed_step_that_is_given_up_are_not_written(api, user,
     with resident.training(run_id) as step:
         assert step is not None
         step.confirm(1, 1, v1)  # as conclude_ahead does before it records
-        def rollout() -> None:
-            from django.db import connection
-
-            try:
-                written.append(generation.generate(run_id, group_ids, "test@here"))
-            finally:
-                connection.close()  # this thread's own
-
-        worker = threading.Thread(target=rollout)
-        worker.start()
+        worker = generate_in_thread(run_id, group_ids, written)
         assert waiting.wait(120)
         # leaving without ``step.ok``: the step was given up
     worker.join(120)
@@ -229,3 +236,105 @@ def test_samples_of_a_confirmed_step_that_is_given_up_are_not_written(api, user,
     assert not Trajectory.objects.filter(run_id=run_id).exists()
     groups = PromptGroup.objects.filter(pk__in=group_ids)
     assert {(g.status, g.attempt, g.holder) for g in groups} == {("admitted", 1, "")}
+
+
+ASYNC = {**ON_POLICY, "pipeline": {**ON_POLICY["pipeline"], "max_staleness": 2}}
+"""Async with room for staleness: prompts are admitted ahead of the step that trains."""
+
+
+def generate_admitted(run_id: int) -> None:
+    """Admit what the scheduler lets in and generate it here (the exact-match verifier judges as it samples:
+    the groups are ready at once)."""
+    tick.advance(run_id)
+    admitted = list(PromptGroup.objects.filter(run_id=run_id, status="admitted").values_list("pk", flat=True))
+    assert admitted
+    assert generation.generate(run_id, admitted, "test@here") > 0
+
+
+def test_a_step_is_confirmed_as_it_is_queued_and_the_next_ready_batch_is_trained_in_the_same_task(
+        api, user, domain, redis_url, monkeypatch):
+    """With a device process, a train step's version may be asked for as soon as the step is queued on the
+    device (the next rollout queues right behind it, instead of waiting for its result and record); and the
+    decision taken as it is recorded claims the next step, with its batch ready, for this very task, which
+    trains it at once: no train message, no second task."""
+    from workers import messages
+    from workers.policy import device_process, resident
+
+    run_id = create_run(api, user, domain, "chained", ASYNC)
+    services.do_start_run(Run.objects.get(pk=run_id), actor=user)
+    generate_admitted(run_id)  # batch 1, ready: the tick after it claims step 1
+    generate_admitted(run_id)  # batch 2, ready
+    assert Run.objects.get(pk=run_id).state["train_claim"] == 1
+    batches = PromptGroup.objects.filter(run_id=run_id, status="ready").count() // 4
+    assert batches >= 2
+    sent: list[tuple] = []
+    monkeypatch.setattr(messages, "train_step", lambda *args, **kw: sent.append(args))
+    seen: list[tuple] = []
+    real_wait = resident.wait
+
+    def wait_noting_confirmed(future):
+        step = resident.after_training(run_id, timeout=0)
+        seen.append((step.step, step.version[0]) if step is not None and step.version else None)
+        return real_wait(future)
+
+    monkeypatch.setattr(resident, "wait", wait_noting_confirmed)
+    client = device_process.DeviceClient()
+    client.start()
+    resident.use_remote(client)
+    try:
+        assert training.run_step(run_id, 1, "test@here") == 1
+    finally:
+        resident.use_remote(None)
+        client.close()
+    run = Run.objects.get(pk=run_id)
+    assert run.step == batches and run.latest_version == batches
+    assert sent == []  # the steps after the first went nowhere: this task trained them
+    assert seen == [(n, n) for n in range(1, batches + 1)]  # each confirmed before its result was awaited
+    assert set(PromptGroup.objects.filter(run_id=run_id, trained_step__isnull=False)
+               .values_list("status", "trained_step")) == {("trained", n) for n in range(1, batches + 1)}
+    assert "train_claim" not in run.state
+
+
+def test_a_rollout_queued_behind_a_confirmed_step_that_fails_is_generated_again(api, user, domain, redis_url,
+                                                                                 tmp_path, monkeypatch):
+    """A step confirmed as it is queued can still fail on the device, its version never saved: the rollout
+    queued behind it fails to switch to that version. Its groups go back to be generated again (attempt + 1),
+    not counted as a failed task; without a confirmed step, the same failure is the task's own."""
+    from workers.policy import resident
+
+    run_id = create_run(api, user, domain, "confirmed, then failed", ASYNC)
+    services.do_start_run(Run.objects.get(pk=run_id), actor=user)
+    tick.advance(run_id)
+    group_ids = list(PromptGroup.objects.filter(run_id=run_id).values_list("pk", flat=True))
+
+    missing = tmp_path / "never-saved"
+    tried = threading.Event()
+    real_rollout = resident.rollout
+
+    def rollout_then_signal(*args, **kwargs):
+        try:
+            return real_rollout(*args, **kwargs)
+        finally:
+            tried.set()
+
+    monkeypatch.setattr(resident, "rollout", rollout_then_signal)
+    result: list[int] = []
+    with resident.training(run_id) as step:
+        assert step is not None
+        step.confirm(1, 1, missing)  # the device then failed: nothing was saved there, and it is not ok
+
+        worker = generate_in_thread(run_id, group_ids, result)
+        assert tried.wait(120)
+    worker.join(120)
+    assert result == [0]
+    assert not Trajectory.objects.filter(run_id=run_id).exists()
+    groups = PromptGroup.objects.filter(pk__in=group_ids)
+    assert {(g.status, g.attempt) for g in groups} == {("admitted", 1)}
+    # no confirmed step: a failure on the device is the task's own, raised for the failure handler
+
+    def device_lost(*args, **kwargs):
+        raise RuntimeError("the device process exited")
+
+    monkeypatch.setattr(resident, "rollout", device_lost)
+    with pytest.raises(RuntimeError, match="device process exited"):
+        generation.generate(run_id, group_ids, "test@here")

@@ -117,9 +117,9 @@ def placement(wait: bool = True) -> Any:
 class TrainStep:
     """A train step of one run under way in this process. ``usable`` is set once its version may be asked
     for — with ``version`` (number, directory) and ``step`` when that is before the step is recorded: a step
-    trained ahead and confirmed (``webapp.runs.loop.training.conclude_ahead``), whose version the device
-    process saves before any request queued after its own — and ``recorded`` once it is recorded or given
-    up."""
+    confirmed as it is queued in the device process (``webapp.runs.loop.training._run_step``) or trained ahead
+    and confirmed (``conclude_ahead``), whose version the device process saves before any request queued
+    after its own — and ``recorded`` once it is recorded or given up."""
 
     usable: threading.Event = field(default_factory=threading.Event)
     recorded: threading.Event = field(default_factory=threading.Event)
@@ -518,6 +518,15 @@ def train(run_id: int, base_model_dir: Path, config: Any, base: Serve, step: int
         return wait(_REMOTE.submit_train(run_id, base_model_dir, config, base, step, batch, None, out_dir,
                                              spec_hash))
     return _train(run_id, base_model_dir, config, base, step, batch, None, out_dir, spec_hash)
+
+
+def submit_train(run_id: int, base_model_dir: Path, config: Any, base: Serve, step: int,
+                 batch: list[tuple[list[Any], list[float | None]]], out_dir: Path, spec_hash: str | None) -> Future[Any]:
+    """``train`` queued in the device process without waiting (``wait`` reads it): requests queued after it
+    run after its version is saved, so a rollout of that version can be queued behind it at once."""
+    if _REMOTE is None:
+        raise RuntimeError("queueing device work needs the device process (workers.policy.device_process)")
+    return _REMOTE.submit_train(run_id, base_model_dir, config, base, step, batch, None, out_dir, spec_hash)
 
 
 def train_async(run_id: int, base_model_dir: Path, config: Any, base: Serve, step: int, kept: tuple[str, list[int]],

@@ -170,15 +170,22 @@ def generate(run_id: int, group_ids: list[int], holder: str) -> int:
             judges = [inline_judge(g) for g in single]
             trained = resident.after_training(run_id)
             ahead = training.plan_ahead(run, spec, single, trained)
-            with live.on_device(run_id) as timer:  # switching to the newest version is device work too
-                if ahead is not None:  # its train step queued right behind it
-                    future = resident.rollout_async(engine, prompts, sampling(spec, group_size), serve=ahead.base,
-                                                    judges=judges, keep=ahead.token)
-                    training.queue_ahead(run, spec, ahead)
-                    out = resident.wait(future)
-                else:
-                    out = resident.rollout(engine, prompts, sampling(spec, group_size), serve=newest(run, trained),
-                                           judges=judges)
+            try:
+                with live.on_device(run_id) as timer:  # switching to the newest version is device work too
+                    if ahead is not None:  # its train step queued right behind it
+                        future = resident.rollout_async(engine, prompts, sampling(spec, group_size),
+                                                        serve=ahead.base, judges=judges, keep=ahead.token)
+                        training.queue_ahead(run, spec, ahead)
+                        out = resident.wait(future)
+                    else:
+                        out = resident.rollout(engine, prompts, sampling(spec, group_size),
+                                               serve=newest(run, trained), judges=judges)
+            except Exception:
+                # Queued behind a confirmed step that then failed on the device, the rollout asked for a version
+                # that was never saved: its groups are generated again, not counted as this task's failure.
+                if trained is None or not given_up(run_id, group_ids, groups, trained, ahead):
+                    raise
+                return 0
             device_s += timer.seconds
             for i, tokens in out.too_long.items():
                 PromptGroup.objects.filter(pk=single[i].pk, status=G.GENERATING).update(
@@ -206,17 +213,7 @@ def generate(run_id: int, group_ids: list[int], holder: str) -> int:
         # Samples of a version trained ahead (``trained``) are written once that version is recorded.
         if trained is None:
             resident.recorded(run_id)
-        elif not (trained.recorded.wait(120.0) and trained.ok):
-            # Its step was given up after it was confirmed (its record failed, or it outlasted the wait): the
-            # samples are of no recorded version. None is written; the groups are generated again.
-            if ahead is not None:
-                training.give_up(run_id, ahead)
-                ahead.leave.close()
-            attempt = recovery.release_generation(group_ids)
-            if attempt is not None:
-                messages.generate(run_id, group_ids, attempt)
-            log.warning("run %s: version %s, which this rollout sampled, was not recorded; its %d groups are "
-                        "generated again", run_id, trained.version[0] if trained.version else "?", len(groups))
+        elif given_up(run_id, group_ids, groups, trained, ahead):
             return 0
         write = partial(write_samples, run_id, {g.pk: g for g in groups}, rows, generate_s=device_s,
                         wait_s=sum(waits) / len(waits), judged=judged, max_retries=spec.pipeline.invalid_retries)
@@ -247,6 +244,24 @@ def generate(run_id: int, group_ids: list[int], holder: str) -> int:
         messages.advance_run(run_id)
     wake_deferred(except_run=run_id)
     return len(rows)
+
+
+def given_up(run_id: int, group_ids: list[int], groups: list[PromptGroup], trained: resident.TrainStep,
+             ahead: training.Ahead | None) -> bool:
+    """Whether the confirmed step this rollout sampled from (``trained``) was given up after it was confirmed
+    (it failed on the device, its record failed, or it outlasted the wait): its samples are then of no
+    recorded version. None is written, and the groups are generated again."""
+    if trained.recorded.wait(120.0) and trained.ok:
+        return False
+    if ahead is not None:
+        training.give_up(run_id, ahead)
+        ahead.leave.close()
+    attempt = recovery.release_generation(group_ids)
+    if attempt is not None:
+        messages.generate(run_id, group_ids, attempt)
+    log.warning("run %s: version %s, which this rollout sampled, was not recorded; its %d groups are "
+                "generated again", run_id, trained.version[0] if trained.version else "?", len(groups))
+    return True
 
 
 def inline_judge(group: PromptGroup) -> Any:

@@ -4,9 +4,11 @@ v+1 and record it — and the trainer's facts about every sample — in one tran
 Advantages are computed where the batch is assembled (``resident.train``: ``losses.sample_advantages`` with
 the run's estimator, on the device's side), written to ``Trajectory.advantage`` and handed to the trainer,
 which stays blind to the estimator; after the step each trained sample's ``clipped`` says whether any of its
-tokens hit the PPO clip. The step's next scheduling decision is taken in-process (``tick.advance``), so the
-next messages are queued before the device is free; metrics, health and evaluation are ``report_step``'s,
-on the control queue.
+tokens hit the PPO clip. With a device process a step is confirmed as it is queued there, so the run's next
+rollout queues right behind it under the version it makes (``_run_step``). The step's next scheduling
+decision is taken in-process, in the transaction that records it (``tick.advance_holding_train``): a next
+step it claims is trained by the same task at once (``run_step``), and the other messages are queued before
+the device is free; metrics, health and evaluation are ``report_step``'s, on the control queue.
 
 A step can also be *trained ahead* (``plan_ahead``, ``queue_ahead``, ``conclude_ahead``): on an on-policy
 run whose verdicts the device gives as it generates, the generate task queues the batch's step on the device
@@ -24,6 +26,7 @@ import time
 import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -167,20 +170,39 @@ def record_sample_facts(facts: dict[int, tuple[float | None, bool | None]]) -> N
 def run_step(run_id: int, step: int, holder: str) -> int | None:
     """Claim, train, save and record step ``step``; the new version's number (None when nothing was done).
     A rollout task of this run in this process waits meanwhile (``resident.training``): prompts admitted
-    while it trains are meant for the version it produces."""
-    with resident.training(run_id, exclusive=True) as under_way:
-        if under_way is None:
-            # This process trains a step of the run already (this step: its message delivered twice, or
-            # re-sent while a step trained ahead was being recorded). A second copy would train it again
-            # beside the first and save over its version's files; the first records it, or its failure
-            # re-sends it.
-            log.info("run %s: train step %s is under way in this process already; not trained twice",
-                     run_id, step)
-            return None
-        version = _run_step(run_id, step, holder)
-    if version is not None:
-        after_step(run_id, step)
-    return version
+    while it trains are meant for the version it produces (with a device process, not for long: see
+    ``_run_step``).
+
+    The run's next decision is taken as the step is recorded, in the same transaction, and a next step it
+    claims (a batch was ready by then) is held by this worker and trained by this task at once, and so on
+    while batches are ready: the device gets the next step without a broker round trip and a task of its
+    own."""
+    first: int | None = None
+    sent, next_step = step, step  # type: int, int | None
+    while next_step is not None:
+        step = next_step
+        try:
+            with resident.training(run_id, exclusive=True) as under_way:
+                if under_way is None:
+                    # This process trains a step of the run already (this step: its message delivered twice,
+                    # or re-sent while a step trained ahead was being recorded). A second copy would train it
+                    # again beside the first and save over its version's files; the first records it, or its
+                    # failure re-sends it.
+                    log.info("run %s: train step %s is under way in this process already; not trained twice",
+                             run_id, step)
+                    if step != sent:  # claimed here, as another step was recorded: nobody was sent it
+                        messages.train_step(run_id, step, countdown=1.0)
+                    return first
+                version, next_step = _run_step(run_id, step, holder, under_way)
+        except Exception:
+            if step != sent:  # claimed here: the failure handler re-sends this task's own step, not this one
+                messages.train_step(run_id, step, countdown=2.0)
+            raise
+        if version is None:
+            return first
+        first = version if first is None else first
+        messages.report_step(run_id, step)
+    return first
 
 
 def after_step(run_id: int, step: int) -> None:
@@ -217,33 +239,74 @@ def spec_hash(run: Run) -> str:
     return hashlib.sha256(json.dumps(run.spec, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _run_step(run_id: int, step: int, holder: str) -> int | None:
+def train_batch(groups: list[PromptGroup], samples_of: dict[str, list[Trajectory]]) -> list[tuple[list[Any], list[float | None]]]:
+    """Per group, its samples as the trainer takes them and their rewards (None for an invalid verdict)."""
+    return [([train_sample(t) for t in samples_of[g.key]],
+             [None if t.verdict == VerdictChoice.INVALID else t.reward for t in samples_of[g.key]]) for g in groups]
+
+
+def _run_step(run_id: int, step: int, holder: str,
+              handle: resident.TrainStep | None = None) -> tuple[int | None, int | None]:
+    """``run_step``'s work: the version recorded (None when nothing was done), and the next step the decision
+    taken as it was recorded claimed for this task (held by ``holder``; None when none).
+
+    With ``handle`` (this step's ``resident.training``) and a device process, the step is confirmed as soon
+    as it is queued on the device: the run's next rollout, admitted for the version it makes (async mode
+    admits ahead), is queued right behind it and samples from that version, instead of waiting for the
+    step's result and record (the device idled ~50 ms a step for it in ``bench/pipeline.py``). Its samples
+    are written once the version is recorded (``handle.ok``), and none if it is not
+    (``generation.given_up``). Without ``handle`` the step is recorded alone, and the caller takes the next
+    decision."""
     task_started, wall_started = time.monotonic(), time.time()
     run = Run.objects.select_related("base_model").filter(pk=run_id).first()
     if run is None or run.step >= step:
-        return None
+        return None, None
     spec = RunSpec.model_validate(run.spec)
     if run.status not in (RunStatus.RUNNING, RunStatus.PAUSING):
         release_claim(run_id)
-        return None
+        return None, None
     claimed_at = run.state.get("train_claim_at")
     groups = claim_batch(run, step, spec.pipeline.batch_prompts, holder)
     if not groups:
         release_claim(run_id)
         messages.advance_run(run_id)
-        return None
+        return None, None
     samples_of = batch_trajectories(run_id, groups, *SAMPLE_FIELDS)
-    batch = [([train_sample(t) for t in samples_of[g.key]],
-              [None if t.verdict == VerdictChoice.INVALID else t.reward for t in samples_of[g.key]]) for g in groups]
     out = paths.version_dir(run_id, run.latest_version + 1)
     assert out is not None
+    train = (run_id, paths.resolve_model_path(run.base_model), trainer_config(spec),
+             (run_id, run.latest_version, paths.version_dir(run_id, run.latest_version)), run.step,
+             train_batch(groups, samples_of), out, spec_hash(run))
     with live.on_device(run_id) as timer:
-        result = resident.train(run_id, paths.resolve_model_path(run.base_model), trainer_config(spec),
-                                (run_id, run.latest_version, paths.version_dir(run_id, run.latest_version)), run.step,
-                                batch, out, spec_hash(run))
-    return record(run, step, groups, [[t.pk for t in samples_of[g.key]] for g in groups], result, out,
-                  device_s=timer.seconds, task_s=time.monotonic() - task_started,
-                  queue_wait_s=max(0.0, wall_started - float(claimed_at)) if claimed_at else None)
+        if handle is not None and resident.can_queue():
+            future = resident.submit_train(*train)
+            handle.confirm(step, run.latest_version + 1, out)
+            result = resident.wait(future)
+        else:
+            result = resident.train(*train)
+    recorded = partial(record, run, step, groups, [[t.pk for t in samples_of[g.key]] for g in groups], result, out,
+                       device_s=timer.seconds, task_s=time.monotonic() - task_started,
+                       queue_wait_s=max(0.0, wall_started - float(claimed_at)) if claimed_at else None)
+    if handle is None:
+        return recorded(), None
+    claimed, decided = None, False
+    # The record and the next decision commit together: a decision taken between them elsewhere (a verify
+    # worker's, as a batch became ready) would claim the next step for the train queue, a broker round trip
+    # and a task later.
+    with transaction.atomic():
+        number = recorded()
+        if holder:
+            try:  # (a savepoint of its own: a decision that fails does not undo the record)
+                claimed, decided = tick.advance_holding_train(run_id, holder), True
+            except Exception:
+                log.warning("run %s: the decision after step %s failed; handed to the control queue", run_id, step,
+                            exc_info=True)
+    handle.ok = True  # samples of its version may be written (``resident.training`` sets ``recorded``)
+    if not holder:
+        tick.advance(run_id)
+    elif not decided:
+        messages.advance_run(run_id)
+    return number, claimed
 
 
 def record(run: Run, step: int, groups: list[PromptGroup], ids: list[list[int]], result: Any, out: Path, *,
@@ -373,7 +436,7 @@ def conclude_ahead(run_id: int, ahead: Ahead, claimed: int | None, eligible: boo
         else:
             give_up(run_id, ahead)
             if claimed is not None:
-                version = _run_step(run_id, claimed, holder)
+                version = _run_step(run_id, claimed, holder)[0]
     except Exception:
         with contextlib.suppress(Exception):
             give_up(run_id, ahead)
