@@ -251,6 +251,40 @@ def generate_admitted(run_id: int) -> None:
     assert generation.generate(run_id, admitted, "test@here") > 0
 
 
+def test_a_worker_shutting_down_sends_the_step_it_claimed_to_the_train_queue(api, user, domain, redis_url,
+                                                                              monkeypatch):
+    """A chain of steps stops with the worker: the step its last record claimed goes to the train queue (held
+    by nobody's task, it would wait for the worker to be known gone)."""
+    from workers import messages
+
+    run_id = create_run(api, user, domain, "stopping", ASYNC)
+    services.do_start_run(Run.objects.get(pk=run_id), actor=user)
+    generate_admitted(run_id)
+    generate_admitted(run_id)
+    assert PromptGroup.objects.filter(run_id=run_id, status="ready").count() >= 8
+    sent: list[tuple] = []
+    monkeypatch.setattr(messages, "train_step", lambda *args, **kw: sent.append(args))
+    assert training.run_step(run_id, 1, "test@here", go_on=lambda: False) == 1
+    run = Run.objects.get(pk=run_id)
+    assert run.step == 1 and run.state["train_claim"] == 2 and run.state["train_holder"] == "test@here"
+    assert sent == [(run_id, 2)]
+
+
+def test_only_the_call_that_records_a_step_runs_its_callbacks(api, user, domain, redis_url):
+    """``finish``'s ``on_recorded`` (what lets a rollout write samples of the version) and ``then`` (the next
+    decision) run for the call that records the step, not for a duplicate delivery's, whose copy of the
+    version's files is not the one recorded."""
+    run_id = create_run(api, user, domain, "recorded once", ASYNC)
+    run = Run.objects.get(pk=run_id)
+    calls: list[str] = []
+    for who in ("first", "duplicate"):
+        version = training.finish(run, 1, [], version_path=Path("/nowhere"), metrics={}, finished_at=time.time(),
+                                  on_recorded=lambda who=who: calls.append(f"{who} recorded"),
+                                  then=lambda who=who: calls.append(f"{who} decided"))
+        assert version.number == 1
+    assert calls == ["first decided", "first recorded"]
+
+
 def test_a_step_is_confirmed_as_it_is_queued_and_the_next_ready_batch_is_trained_in_the_same_task(
         api, user, domain, redis_url, monkeypatch):
     """With a device process, a train step's version may be asked for as soon as the step is queued on the

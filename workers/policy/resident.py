@@ -166,7 +166,7 @@ def after_training(run_id: int, timeout: float = 120.0) -> TrainStep | None:
     if step is None:
         return None
     step.usable.wait(timeout)
-    return step if step.version is not None and not step.recorded.is_set() else None
+    return step if step.version is not None and not step.ok and not step.recorded.is_set() else None
 
 
 def recorded(run_id: int, timeout: float = 120.0) -> None:

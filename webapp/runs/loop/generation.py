@@ -210,9 +210,11 @@ def generate(run_id: int, group_ids: list[int], holder: str) -> int:
                 training.give_up(run_id, ahead)
             return 0
         waits = [(claimed_at - g.created_at).total_seconds() for g in groups]
-        # Samples of a version trained ahead (``trained``) are written once that version is recorded.
+        # Samples of a version trained ahead (``trained``) are written once that version is recorded; a batch
+        # whose own step is queued ahead waits for the run's step under way, if any, to be recorded first.
         if trained is None:
-            resident.recorded(run_id)
+            if ahead is not None:
+                resident.recorded(run_id)
         elif given_up(run_id, group_ids, groups, trained, ahead):
             return 0
         write = partial(write_samples, run_id, {g.pk: g for g in groups}, rows, generate_s=device_s,

@@ -24,6 +24,7 @@ import logging
 import math
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import partial
@@ -115,10 +116,12 @@ def batch_trajectories(run_id: int, groups: list[PromptGroup], *fields: str) -> 
 
 
 def finish(run: Run, step: int, groups: list[PromptGroup], *, version_path: Path, metrics: dict[str, Any],
-           finished_at: float, facts: dict[int, tuple[float | None, bool | None]] | None = None) -> PolicyVersion:
+           finished_at: float, facts: dict[int, tuple[float | None, bool | None]] | None = None,
+           on_recorded: Callable[[], None] | None = None, then: Callable[[], None] | None = None) -> PolicyVersion:
     """Record version ``latest+1``, mark the groups and their samples trained (with each sample's advantage
     and clip, ``facts``) and advance the run, in one transaction: whoever sees the step sees its samples'
-    facts."""
+    facts. When this call records it (not a duplicate's), ``on_recorded`` runs once that transaction has
+    committed, before any other callback of it, and ``then`` (the run's next decision) runs inside it."""
     with transaction.atomic():
         locked = Run.objects.select_for_update().get(pk=run.pk)
         if locked.step >= step:
@@ -151,6 +154,10 @@ def finish(run: Run, step: int, groups: list[PromptGroup], *, version_path: Path
         state["last_step_at"] = finished_at
         Run.objects.filter(pk=run.pk).update(step=step, latest_version=number, state=state, trained_groups=trained,
                                              updated_at=timezone.now())
+        if on_recorded is not None:
+            transaction.on_commit(on_recorded)
+        if then is not None:
+            then()
     return version
 
 
@@ -167,7 +174,7 @@ def record_sample_facts(facts: dict[int, tuple[float | None, bool | None]]) -> N
                            [(advantage, clipped, tid) for tid, (advantage, clipped) in facts.items()])
 
 
-def run_step(run_id: int, step: int, holder: str) -> int | None:
+def run_step(run_id: int, step: int, holder: str, go_on: Callable[[], bool] = lambda: True) -> int | None:
     """Claim, train, save and record step ``step``; the new version's number (None when nothing was done).
     A rollout task of this run in this process waits meanwhile (``resident.training``): prompts admitted
     while it trains are meant for the version it produces (with a device process, not for long: see
@@ -175,12 +182,16 @@ def run_step(run_id: int, step: int, holder: str) -> int | None:
 
     The run's next decision is taken as the step is recorded, in the same transaction, and a next step it
     claims (a batch was ready by then) is held by this worker and trained by this task at once, and so on
-    while batches are ready: the device gets the next step without a broker round trip and a task of its
-    own."""
+    while batches are ready and ``go_on()`` (False once the worker is shutting down: the step claimed is
+    then sent to the train queue): the device gets the next step without a broker round trip and a task
+    of its own."""
     first: int | None = None
     sent, next_step = step, step  # type: int, int | None
     while next_step is not None:
-        step = next_step
+        step, next_step = next_step, None
+        if step != sent and not go_on():
+            messages.train_step(run_id, step)
+            return first
         try:
             with resident.training(run_id, exclusive=True) as under_way:
                 if under_way is None:
@@ -194,14 +205,18 @@ def run_step(run_id: int, step: int, holder: str) -> int | None:
                         messages.train_step(run_id, step, countdown=1.0)
                     return first
                 version, next_step = _run_step(run_id, step, holder, under_way)
+            if version is None:
+                return first
+            first = version if first is None else first
+            messages.report_step(run_id, step)
         except Exception:
-            if step != sent:  # claimed here: the failure handler re-sends this task's own step, not this one
-                messages.train_step(run_id, step, countdown=2.0)
+            # The failure handler re-sends this task's own step, not one claimed here: those are sent now (a
+            # step that was recorded meanwhile does nothing when it comes)
+            with contextlib.suppress(Exception):
+                for claimed in (step if step != sent else None, next_step):
+                    if claimed is not None:
+                        messages.train_step(run_id, claimed, countdown=2.0)
             raise
-        if version is None:
-            return first
-        first = version if first is None else first
-        messages.report_step(run_id, step)
     return first
 
 
@@ -278,41 +293,62 @@ def _run_step(run_id: int, step: int, holder: str,
              (run_id, run.latest_version, paths.version_dir(run_id, run.latest_version)), run.step,
              train_batch(groups, samples_of), out, spec_hash(run))
     with live.on_device(run_id) as timer:
-        if handle is not None and resident.can_queue():
-            future = resident.submit_train(*train)
-            handle.confirm(step, run.latest_version + 1, out)
-            result = resident.wait(future)
-        else:
-            result = resident.train(*train)
+        try:
+            if handle is not None and resident.can_queue():
+                future = resident.submit_train(*train)
+                handle.confirm(step, run.latest_version + 1, out)
+                result = resident.wait(future)
+            else:
+                result = resident.train(*train)
+        except Exception:
+            # What the step left of the trainer is not to be trusted (it may have stepped, then failed to save):
+            # the retry rebuilds it from the run's newest saved version.
+            with contextlib.suppress(Exception):
+                resident.drop_trainer(run_id)
+            raise
     recorded = partial(record, run, step, groups, [[t.pk for t in samples_of[g.key]] for g in groups], result, out,
                        device_s=timer.seconds, task_s=time.monotonic() - task_started,
                        queue_wait_s=max(0.0, wall_started - float(claimed_at)) if claimed_at else None)
     if handle is None:
         return recorded(), None
-    claimed, decided = None, False
-    # The record and the next decision commit together: a decision taken between them elsewhere (a verify
-    # worker's, as a batch became ready) would claim the next step for the train queue, a broker round trip
-    # and a task later.
-    with transaction.atomic():
-        number = recorded()
-        if holder:
-            try:  # (a savepoint of its own: a decision that fails does not undo the record)
-                claimed, decided = tick.advance_holding_train(run_id, holder), True
-            except Exception:
-                log.warning("run %s: the decision after step %s failed; handed to the control queue", run_id, step,
-                            exc_info=True)
-    handle.ok = True  # samples of its version may be written (``resident.training`` sets ``recorded``)
+    claimed: list[int | None] = [None]
+    decided = [False]
+
+    def decide() -> None:
+        """The run's next decision, in the transaction that records the step: a decision taken between the
+        two elsewhere (a verify worker's, as a batch became ready) would claim the next step for the train
+        queue, a broker round trip and a task later."""
+        try:
+            with transaction.atomic():  # a savepoint: a decision that fails does not undo the record
+                claimed[0] = tick.advance_holding_train(run_id, holder)
+            decided[0] = True
+        except Exception:
+            log.warning("run %s: the decision after step %s failed; handed to the control queue", run_id, step,
+                        exc_info=True)
+
+    def mark_ok() -> None:  # samples of its version may be written (``resident.training`` sets ``recorded``)
+        handle.ok = True
+
+    try:
+        number = recorded(on_recorded=mark_ok, then=decide if holder else None)
+    except Exception:
+        if handle.ok and claimed[0] is not None:  # recorded, then a message failed: the claim is ours to send
+            with contextlib.suppress(Exception):
+                messages.train_step(run_id, claimed[0], countdown=2.0)
+        raise
     if not holder:
         tick.advance(run_id)
-    elif not decided:
+    elif not decided[0]:
         messages.advance_run(run_id)
-    return number, claimed
+    return number, claimed[0]
 
 
 def record(run: Run, step: int, groups: list[PromptGroup], ids: list[list[int]], result: Any, out: Path, *,
-           device_s: float, task_s: float, queue_wait_s: float | None, ahead: bool = False) -> int:
-    """Record a trained step (``finish``, with ``result``, a ``steps.StepResult``) and the trainer's facts
-    about each sample (``ids``: per group, its samples' trajectory ids); the new version's number."""
+           device_s: float, task_s: float, queue_wait_s: float | None, ahead: bool = False,
+           on_recorded: Callable[[], None] | None = None, then: Callable[[], None] | None = None) -> int:
+    """Record a trained step (``finish``, with ``result``, a ``steps.StepResult``, and its ``on_recorded`` and
+    ``then``) and the trainer's facts about each sample (``ids``: per group, its samples' trajectory ids); the
+    new version's number."""
     where = resident.placement()
     metrics = result.metrics
     clipped = set(metrics.clipped_samples)
@@ -329,7 +365,7 @@ def record(run: Run, step: int, groups: list[PromptGroup], ids: list[list[int]],
         "device": where.device, "dtype": where.dtype,
     }
     version = finish(run, step, groups, version_path=out, finished_at=time.time(), metrics=finite(step_facts),
-                     facts=facts)
+                     facts=facts, on_recorded=on_recorded, then=then)
     return version.number
 
 
@@ -432,7 +468,6 @@ def conclude_ahead(run_id: int, ahead: Ahead, claimed: int | None, eligible: boo
         if groups and [g.pk for g in groups] == ahead.group_ids:
             ahead.handle.confirm(ahead.step, ahead.version, ahead.out)  # the next rollout may ask for it now
             version = _record_ahead(run, ahead, groups)
-            ahead.handle.ok = True  # its samples may be written (``leave`` sets ``recorded``)
         else:
             give_up(run_id, ahead)
             if claimed is not None:
@@ -464,7 +499,7 @@ def _record_ahead(run: Run, ahead: Ahead, groups: list[PromptGroup]) -> int:
                   [[ids[(g.key, i)] for i in range(len(advantages))]
                    for g, advantages in zip(groups, result.advantages, strict=True)],
                   result, ahead.out, device_s=seconds, task_s=time.monotonic() - ahead.started, queue_wait_s=0.0,
-                  ahead=True)
+                  ahead=True, on_recorded=partial(setattr, ahead.handle, "ok", True))  # its samples may be written
 
 
 def give_up(run_id: int, ahead: Ahead) -> None:
