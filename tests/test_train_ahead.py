@@ -185,8 +185,20 @@ def device_child(worker_pid: int) -> int:
     raise AssertionError(f"worker {worker_pid} has no device process")
 
 
-def generate_in_thread(run_id: int, group_ids: list[int], out: list[int]) -> threading.Thread:
-    """``generation.generate`` on a thread of its own (as a GPU worker's second task), its result put in ``out``."""
+def rollout_behind_a_step_given_up(run_id: int, group_ids: list[int], version_dir: Path, monkeypatch) -> list[int]:
+    """``generation.generate`` on a thread of its own (as a GPU worker's second task) while this thread holds
+    the run's train step, confirmed with version 1 in ``version_dir``; once the rollout has asked the device
+    for it, the step is left without ``ok`` (given up). ``generate``'s result, as a list."""
+    from workers.policy import resident
+
+    tried = threading.Event()
+    real_rollout = resident.rollout
+
+    def rollout_then_signal(*args, **kwargs):
+        try:
+            return real_rollout(*args, **kwargs)
+        finally:
+            tried.set()  # it sampled (or failed to switch to) the confirmed version
 
     def rollout() -> None:
         from django.db import connection
@@ -196,9 +208,17 @@ def generate_in_thread(run_id: int, group_ids: list[int], out: list[int]) -> thr
         finally:
             connection.close()  # this thread's own
 
-    worker = threading.Thread(target=rollout)
-    worker.start()
-    return worker
+    monkeypatch.setattr(resident, "rollout", rollout_then_signal)
+    out: list[int] = []
+    with resident.training(run_id) as step:
+        assert step is not None
+        step.confirm(1, 1, version_dir)
+        worker = threading.Thread(target=rollout)
+        worker.start()
+        assert tried.wait(120)
+    worker.join(120)
+    monkeypatch.setattr(resident, "rollout", real_rollout)
+    return out
 
 
 def test_samples_of_a_confirmed_step_that_is_given_up_are_not_written(api, user, domain, redis_url, tmp_path,
@@ -206,33 +226,15 @@ def test_samples_of_a_confirmed_step_that_is_given_up_are_not_written(api, user,
     """A step trained ahead is confirmed before it is recorded, so the run's next rollout samples from its
     version meanwhile. If the step is then given up (its record failed), those samples are of no recorded
     version: none is written, and the groups go back to be generated again."""
-
     from tests.policy.conftest import DEMO_DIR, make_lora_version
-    from workers.policy import resident
 
     run_id = create_run(api, user, domain, "confirmed, then given up")
     services.do_start_run(Run.objects.get(pk=run_id), actor=user)
     tick.advance(run_id)  # running: four prompts admitted
     group_ids = list(PromptGroup.objects.filter(run_id=run_id).values_list("pk", flat=True))
     v1 = make_lora_version(DEMO_DIR, tmp_path / "v1", version=1, seed=1)
-    waiting = threading.Event()
-    real_rollout = resident.rollout
-
-    def rollout_then_signal(*args, **kwargs):
-        out = real_rollout(*args, **kwargs)
-        waiting.set()  # sampled from the confirmed version; next it waits for the step's record
-        return out
-
-    monkeypatch.setattr(resident, "rollout", rollout_then_signal)
-    written: list[int] = []
-    with resident.training(run_id) as step:
-        assert step is not None
-        step.confirm(1, 1, v1)  # as conclude_ahead does before it records
-        worker = generate_in_thread(run_id, group_ids, written)
-        assert waiting.wait(120)
-        # leaving without ``step.ok``: the step was given up
-    worker.join(120)
-    assert written == [0]
+    # confirmed as conclude_ahead does before it records, then given up
+    assert rollout_behind_a_step_given_up(run_id, group_ids, v1, monkeypatch) == [0]
     assert not Trajectory.objects.filter(run_id=run_id).exists()
     groups = PromptGroup.objects.filter(pk__in=group_ids)
     assert {(g.status, g.attempt, g.holder) for g in groups} == {("admitted", 1, "")}
@@ -340,27 +342,8 @@ def test_a_rollout_queued_behind_a_confirmed_step_that_fails_is_generated_again(
     services.do_start_run(Run.objects.get(pk=run_id), actor=user)
     tick.advance(run_id)
     group_ids = list(PromptGroup.objects.filter(run_id=run_id).values_list("pk", flat=True))
-
-    missing = tmp_path / "never-saved"
-    tried = threading.Event()
-    real_rollout = resident.rollout
-
-    def rollout_then_signal(*args, **kwargs):
-        try:
-            return real_rollout(*args, **kwargs)
-        finally:
-            tried.set()
-
-    monkeypatch.setattr(resident, "rollout", rollout_then_signal)
-    result: list[int] = []
-    with resident.training(run_id) as step:
-        assert step is not None
-        step.confirm(1, 1, missing)  # the device then failed: nothing was saved there, and it is not ok
-
-        worker = generate_in_thread(run_id, group_ids, result)
-        assert tried.wait(120)
-    worker.join(120)
-    assert result == [0]
+    # the device then failed: nothing was saved there, and the step is not ok
+    assert rollout_behind_a_step_given_up(run_id, group_ids, tmp_path / "never-saved", monkeypatch) == [0]
     assert not Trajectory.objects.filter(run_id=run_id).exists()
     groups = PromptGroup.objects.filter(pk__in=group_ids)
     assert {(g.status, g.attempt) for g in groups} == {("admitted", 1)}

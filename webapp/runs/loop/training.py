@@ -254,12 +254,6 @@ def spec_hash(run: Run) -> str:
     return hashlib.sha256(json.dumps(run.spec, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def train_batch(groups: list[PromptGroup], samples_of: dict[str, list[Trajectory]]) -> list[tuple[list[Any], list[float | None]]]:
-    """Per group, its samples as the trainer takes them and their rewards (None for an invalid verdict)."""
-    return [([train_sample(t) for t in samples_of[g.key]],
-             [None if t.verdict == VerdictChoice.INVALID else t.reward for t in samples_of[g.key]]) for g in groups]
-
-
 def _run_step(run_id: int, step: int, holder: str,
               handle: resident.TrainStep | None = None) -> tuple[int | None, int | None]:
     """``run_step``'s work: the version recorded (None when nothing was done), and the next step the decision
@@ -287,11 +281,13 @@ def _run_step(run_id: int, step: int, holder: str,
         messages.advance_run(run_id)
         return None, None
     samples_of = batch_trajectories(run_id, groups, *SAMPLE_FIELDS)
+    batch = [([train_sample(t) for t in samples_of[g.key]],
+              [None if t.verdict == VerdictChoice.INVALID else t.reward for t in samples_of[g.key]]) for g in groups]
     out = paths.version_dir(run_id, run.latest_version + 1)
     assert out is not None
     train = (run_id, paths.resolve_model_path(run.base_model), trainer_config(spec),
-             (run_id, run.latest_version, paths.version_dir(run_id, run.latest_version)), run.step,
-             train_batch(groups, samples_of), out, spec_hash(run))
+             (run_id, run.latest_version, paths.version_dir(run_id, run.latest_version)), run.step, batch, out,
+             spec_hash(run))
     with live.on_device(run_id) as timer:
         try:
             if handle is not None and resident.can_queue():
@@ -311,17 +307,18 @@ def _run_step(run_id: int, step: int, holder: str,
                        queue_wait_s=max(0.0, wall_started - float(claimed_at)) if claimed_at else None)
     if handle is None:
         return recorded(), None
-    claimed: list[int | None] = [None]
-    decided = [False]
+    claimed: int | None = None
+    decided = False
 
     def decide() -> None:
         """The run's next decision, in the transaction that records the step: a decision taken between the
         two elsewhere (a verify worker's, as a batch became ready) would claim the next step for the train
         queue, a broker round trip and a task later."""
+        nonlocal claimed, decided
         try:
             with transaction.atomic():  # a savepoint: a decision that fails does not undo the record
-                claimed[0] = tick.advance_holding_train(run_id, holder)
-            decided[0] = True
+                claimed = tick.advance_holding_train(run_id, holder)
+            decided = True
         except Exception:
             log.warning("run %s: the decision after step %s failed; handed to the control queue", run_id, step,
                         exc_info=True)
@@ -332,15 +329,15 @@ def _run_step(run_id: int, step: int, holder: str,
     try:
         number = recorded(on_recorded=mark_ok, then=decide if holder else None)
     except Exception:
-        if handle.ok and claimed[0] is not None:  # recorded, then a message failed: the claim is ours to send
+        if handle.ok and claimed is not None:  # recorded, then a message failed: the claim is ours to send
             with contextlib.suppress(Exception):
-                messages.train_step(run_id, claimed[0], countdown=2.0)
+                messages.train_step(run_id, claimed, countdown=2.0)
         raise
     if not holder:
         tick.advance(run_id)
-    elif not decided[0]:
+    elif not decided:
         messages.advance_run(run_id)
-    return number, claimed[0]
+    return number, claimed
 
 
 def record(run: Run, step: int, groups: list[PromptGroup], ids: list[list[int]], result: Any, out: Path, *,
