@@ -208,7 +208,6 @@ def run_step(run_id: int, step: int, holder: str, go_on: Callable[[], bool] = la
             if version is None:
                 return first
             first = version if first is None else first
-            messages.report_step(run_id, step)
         except Exception:
             # The failure handler re-sends this task's own step, not one claimed here: those are sent now (a
             # step that was recorded meanwhile does nothing when it comes)
@@ -311,9 +310,7 @@ def _run_step(run_id: int, step: int, holder: str,
     decided = False
 
     def decide() -> None:
-        """The run's next decision, in the transaction that records the step: a decision taken between the
-        two elsewhere (a verify worker's, as a batch became ready) would claim the next step for the train
-        queue, a broker round trip and a task later."""
+        """The run's next decision, right after the step's record, a step it claims held for this task."""
         nonlocal claimed, decided
         try:
             with transaction.atomic():  # a savepoint: a decision that fails does not undo the record
@@ -326,16 +323,15 @@ def _run_step(run_id: int, step: int, holder: str,
     def mark_ok() -> None:  # samples of its version may be written (``resident.training`` sets ``recorded``)
         handle.ok = True
 
-    try:
-        number = recorded(on_recorded=mark_ok, then=decide if holder else None)
-    except Exception:
-        if handle.ok and claimed is not None:  # recorded, then a message failed: the claim is ours to send
-            with contextlib.suppress(Exception):
-                messages.train_step(run_id, claimed, countdown=2.0)
-        raise
+    number = recorded(on_recorded=mark_ok)
+    # the step's report is queued before the decision, which may complete the run: a run seen completed has
+    # its last step's report on its way first, as before
+    messages.report_step(run_id, step)
     if not holder:
         tick.advance(run_id)
-    elif not decided:
+        return number, None
+    decide()
+    if not decided:
         messages.advance_run(run_id)
     return number, claimed
 
